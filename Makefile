@@ -1,0 +1,30 @@
+# Every target creates .venv and installs what it needs: one command on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-all bench setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,parity,slurm]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(PY) run.py
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile
+
+test-all: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile -m ""
+
+bench: $(STAMP)
+	$(PY) experiments/bench_kda.py
+
+clean:
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,184 @@
+"""Chunkwise KDA in XLA (the WY form of REFERENCE.md §1), in two packing designs.
+
+Per chunk of C tokens, with G the chunk-local cumsum of g:
+    Akk[c,i] = sum_d k_cd k_id exp(G_cd - G_id)  (i < c)      Aqk[c,i] = sum_d q_cd k_id exp(G_cd - G_id)  (i <= c)
+    Tm = (I + beta * Akk)^-1 Diag(beta);  W = Tm (exp(G) K);  U = Tm V
+    V' = U - W S;  O = (Q exp(G)) S + Aqk V';  S <- exp(G_last) S + (exp(G_last - G) K)^T V'
+
+* `chunked_segment_native`: rows stay `[B, T]`; pairs are masked to the same segment, the carried state
+  reaches only tokens continuing the previous chunk's last segment, and the outgoing state is built from
+  the chunk's last segment only. No flattening, no phantom segments; T is padded to a chunk multiple.
+* `chunked_aligned`: the seed RFC's design: flatten to `[1, B*T]`, describe it with `cu_seqlens`
+  (`max_segs + 1`, phantom segments), place every segment at a chunk boundary of a static buffer of
+  `segments.aligned_length` tokens, reset the state at chunks that start a segment, gather back.
+
+Padding tokens and alignment filler are no-ops (k = v = g = beta = 0), so they never touch the state.
+Gradients come from autodiff of this code.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lingpack.kernels.kda import segments
+
+SUB_CHUNK = 16  # decay products are factored through sub-chunk boundaries; only 16x16 diagonal blocks are explicit
+
+
+def _decay_products(x_NCK, k_NCK, G_NCK, *, inclusive: bool, sub: int):
+    """A[c,i] = sum_d x_cd k_id exp(G_cd - G_id) for i < c (i <= c if inclusive), zero above; fp32 [.., C, C].
+
+    exp(G_c - G_i) can overflow as exp(-G_i) exp(G_c), so every factor used here has a non-positive
+    exponent: across sub-chunks the pair is split at r = the last token of i's sub-chunk
+    (exp(G_c - G_r) exp(G_r - G_i), both <= 1); inside a sub-chunk the difference is masked before exp.
+    """
+    *lead, C, K = x_NCK.shape
+    nb = C // sub
+    blocks = lambda a: a.reshape(*lead, nb, sub, K)
+    x_b, k_b, G_b = blocks(x_NCK), blocks(k_NCK), blocks(G_NCK)
+    G_ref = G_b[..., -1, :]                                               # [.., nb, K]
+    k_neg = k_b * jnp.exp(G_ref[..., None, :] - G_b)                      # exponent <= 0
+    block_of = jnp.arange(C) // sub
+    later = block_of[None, :] > jnp.arange(nb)[:, None]                   # [nb, C]: row c lies after block j
+    row_exp = jnp.where(later[..., None], G_NCK[..., None, :, :] - G_ref[..., :, None, :], 0.0)  # mask before exp
+    x_pos = jnp.where(later[..., None], x_NCK[..., None, :, :] * jnp.exp(row_exp), 0.0)       # [.., nb, C, K]
+    off_diag = jnp.einsum("...jck,...jik->...cji", x_pos, k_neg).reshape(*lead, C, C)
+
+    tri = jnp.tril(jnp.ones((sub, sub), bool), 0 if inclusive else -1)
+    diff = jnp.where(tri[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0)  # mask before exp
+    diag = jnp.einsum("...jck,...jcik,...jik->...jci", x_b, jnp.exp(diff), k_b) * tri
+    diag_full = jnp.einsum("...pci,pj->...pcji", diag, jnp.eye(nb, dtype=diag.dtype)).reshape(*lead, C, C)
+    return off_diag + diag_full
+
+
+def _intra_chunk(q, k, v, g, beta, same_CC, *, sub: int):
+    """Everything that does not depend on the carried state, for all chunks at once ([.., H, C, *])."""
+    C = q.shape[-2]
+    G = jnp.cumsum(g, axis=-2)  # chunk-local log-decay, fp32
+    causal_strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    A_kk = _decay_products(k, k, G, inclusive=False, sub=sub)
+    A_qk = _decay_products(q, k, G, inclusive=True, sub=sub)
+    if same_CC is not None:
+        A_kk = jnp.where(same_CC, A_kk, 0.0)
+        A_qk = jnp.where(same_CC, A_qk, 0.0)
+    lower = jnp.where(causal_strict, beta[..., :, None] * A_kk, 0.0)
+    eye = jnp.eye(C, dtype=jnp.float32)
+    # Tm = (I + L)^-1 Diag(beta), L strictly lower: a unit-triangular solve (block-diagonal per segment).
+    t_mat = jax.scipy.linalg.solve_triangular(eye + lower, eye * beta[..., None, :], lower=True, unit_diagonal=True)
+    w = t_mat @ (jnp.exp(G) * k)
+    u = t_mat @ v
+    G_last = G[..., -1:, :]
+    return dict(
+        q_decay=q * jnp.exp(G), w=w, u=u, a_qk=A_qk,
+        k_out=jnp.exp(G_last - G) * k,            # exponent <= 0
+        decay_last=jnp.exp(G_last[..., 0, :]),   # [.., K]
+    )
+
+
+def _check_chunk(chunk_size: int):
+    if chunk_size % SUB_CHUNK or chunk_size < SUB_CHUNK:
+        raise ValueError(f"chunk_size must be a positive multiple of {SUB_CHUNK} (e.g. 64); got {chunk_size}")
+
+
+def _to_chunks(x_BTH_, n_chunks, chunk_size):
+    """[B, T, H, *] -> [B, N, H, C, *]."""
+    B, T, H = x_BTH_.shape[:3]
+    x = x_BTH_.reshape(B, n_chunks, chunk_size, H, *x_BTH_.shape[3:])
+    return jnp.moveaxis(x, 2, 3)
+
+
+def _from_chunks(x_BNHCV):
+    B, N, H, C, V = x_BNHCV.shape
+    return jnp.moveaxis(x_BNHCV, 3, 2).reshape(B, N * C, H, V)
+
+
+def _prepare(q, k, v, g, beta, real_BT, scale):
+    """fp32 copies with padding turned into no-op tokens."""
+    f32 = jnp.float32  # the state and every accumulation are fp32 whatever the input dtype
+    m = real_BT[..., None, None]
+    return (jnp.where(m, q.astype(f32) * scale, 0.0), jnp.where(m, k.astype(f32), 0.0),
+            jnp.where(m, v.astype(f32), 0.0), jnp.where(m, g.astype(f32), 0.0),
+            jnp.where(real_BT[..., None], beta.astype(f32), 0.0))
+
+
+def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale,
+                           initial_state_BHKV, chunk_size=64, sub_chunk=SUB_CHUNK):
+    _check_chunk(chunk_size)
+    B, T, H, K = q_BTHK.shape
+    n_chunks = -(-T // chunk_size)
+    pad = n_chunks * chunk_size - T
+    real = segment_ids_BT != 0
+    ids = segments.fill_padding_ids(segment_ids_BT)
+    xs = _prepare(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, real, scale)
+    if pad:  # tail filler continues the row's last segment as no-op tokens
+        xs = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
+        ids = jnp.pad(ids, [(0, 0), (0, pad)], mode="edge")
+    q, k, v, g, beta = [_to_chunks(x, n_chunks, chunk_size) for x in xs[:4]] + [
+        jnp.moveaxis(xs[4].reshape(B, n_chunks, chunk_size, H), 2, 3)]
+
+    ids_BNC = ids.reshape(B, n_chunks, chunk_size)
+    same_BNCC = (ids_BNC[..., :, None] == ids_BNC[..., None, :])[:, :, None]          # [B, N, 1, C, C]
+    prev_last = jnp.concatenate([ids_BNC[:, :1, 0], ids_BNC[:, :-1, -1]], axis=1)     # [B, N]
+    carry_BNC = ids_BNC == prev_last[..., None]        # token continues the segment the state belongs to
+    last_BNC = ids_BNC == ids_BNC[..., -1:]            # token belongs to the chunk's last segment
+    pre = _intra_chunk(q, k, v, g, beta, same_BNCC, sub=sub_chunk)
+    carry = carry_BNC[:, :, None, :, None]
+    pre["w"] = pre["w"] * carry
+    pre["q_decay"] = pre["q_decay"] * carry
+    pre["k_out"] = pre["k_out"] * last_BNC[:, :, None, :, None]
+    keep_BN = carry_BNC[..., -1]                       # the whole chunk continues: carry the decayed state on
+
+    def step(state_BHKV, x):
+        v_new = x["u"] - x["w"] @ state_BHKV
+        o = x["q_decay"] @ state_BHKV + x["a_qk"] @ v_new
+        decayed = jnp.where(x["keep"][:, None, None, None], x["decay_last"][..., None] * state_BHKV, 0.0)
+        state_BHKV = decayed + jnp.swapaxes(x["k_out"], -1, -2) @ v_new
+        return state_BHKV, o
+
+    pre["keep"] = keep_BN
+    chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
+    final_BHKV, o_NBHCV = jax.lax.scan(step, initial_state_BHKV.astype(jnp.float32), chunk_major)
+    o_BTHV = _from_chunks(jnp.moveaxis(o_NBHCV, 0, 1))[:, :T]
+    return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV
+
+
+def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale, initial_state_BHKV,
+                    max_segs, chunk_size=64, sub_chunk=SUB_CHUNK):
+    _check_chunk(chunk_size)
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    plan = segments.align_plan(segment_ids_BT, max_segs, chunk_size)
+    t_new = segments.aligned_length(B * T, max_segs, chunk_size)
+    n_chunks = t_new // chunk_size
+    real = segment_ids_BT != 0
+    xs = _prepare(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, real, scale)
+    # Scatter the flattened stream into the aligned buffer; unfilled slots are zero = no-op tokens.
+    scatter = lambda x: jnp.zeros((t_new,) + x.shape[2:], x.dtype).at[plan.dest].set(
+        x.reshape(B * T, *x.shape[2:]), mode="drop")[None]
+    q, k, v, g = [_to_chunks(scatter(x), n_chunks, chunk_size) for x in xs[:4]]
+    beta = jnp.moveaxis(scatter(xs[4]).reshape(1, n_chunks, chunk_size, H), 2, 3)
+    pre = _intra_chunk(q, k, v, g, beta, None, sub=sub_chunk)
+
+    # Initial state per chunk: a row's first segment starts from that row's state, others from zero.
+    init_table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
+    # Capture each row's final state at the chunk holding the end of the row's last segment.
+    last_seg = jnp.clip(plan.row_last_seg, 0, max_segs - 1)
+    row_final_chunk = jnp.where(plan.row_last_seg >= 0, plan.seg_last_chunk[last_seg], -1)   # [B]
+
+    def step(carry, x):
+        state_1HKV, finals_BHKV = carry
+        state_1HKV = jnp.where(x["reset"], init_table[x["init_row"]][None], state_1HKV)
+        v_new = x["u"] - x["w"] @ state_1HKV
+        o = x["q_decay"] @ state_1HKV + x["a_qk"] @ v_new
+        state_1HKV = x["decay_last"][..., None] * state_1HKV + jnp.swapaxes(x["k_out"], -1, -2) @ v_new
+        finals_BHKV = jnp.where((row_final_chunk == x["index"])[:, None, None, None], state_1HKV, finals_BHKV)
+        return (state_1HKV, finals_BHKV), o
+
+    chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
+    chunk_major.update(reset=plan.chunk_starts_seg, init_row=plan.chunk_init_row, index=jnp.arange(n_chunks))
+    init_carry = (jnp.zeros((1, H, K, V), jnp.float32), initial_state_BHKV.astype(jnp.float32))
+    (_, final_BHKV), o_N1HCV = jax.lax.scan(step, init_carry, chunk_major)
+    o_flat = _from_chunks(jnp.moveaxis(o_N1HCV, 0, 1))[0]                  # [T_new, H, V]
+    o_BTHV = jnp.take(o_flat, plan.dest, axis=0, mode="fill", fill_value=0.0).reshape(B, T, H, V)
+    return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV

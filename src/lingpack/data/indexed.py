@@ -166,6 +166,10 @@ class IndexedDataset:
         return self.sequence_count
 
     @property
+    def name(self) -> str:
+        return self.data_file
+
+    @property
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 

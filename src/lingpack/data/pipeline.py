@@ -1,0 +1,123 @@
+"""The Grain pipeline: samples -> split -> batch -> per-host shard -> prefetch.
+
+    make_iterator(cfg, split="train")  ->  grain DatasetIterator of batches
+
+A batch is a dict of int32 numpy arrays `[global_batch_size / process_count, seq_length]` with keys
+`inputs, targets, inputs_segmentation, targets_segmentation, inputs_position, targets_position`
+(see `split.py`). Global batch k holds samples `[k * B, (k + 1) * B)` in Megatron's reading order;
+host h of P takes rows `[h * B / P, (h + 1) * B / P)` of it, so the union over hosts is exactly
+Megatron's global batch. A trailing partial global batch is dropped.
+
+Shuffling and epochs live in Megatron's indices (see `indices.py`), not in Grain, which is why the
+pipeline is a `MapDataset` end to end until `to_iter_dataset`: the iterator's state is just the next
+batch number and `get_state()` / `set_state()` resume at exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grain
+import numpy as np
+
+from lingpack.data.config import DataConfig
+from lingpack.data.sampling import MegatronSamples, build_samples
+from lingpack.data.split import BATCH_KEYS, SplitOptions, split_window
+from lingpack.data.stats import batch_stats
+
+__all__ = ["DataConfig", "make_dataset", "make_iterator", "batch_stats", "BATCH_KEYS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRows:
+    """Samples host `process_index` reads, in order: its rows of each global batch."""
+
+    samples: MegatronSamples
+    global_batch_size: int
+    process_index: int
+    process_count: int
+
+    @property
+    def rows_per_host(self) -> int:
+        return self.global_batch_size // self.process_count
+
+    def __len__(self) -> int:
+        return (len(self.samples) // self.global_batch_size) * self.rows_per_host
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        batch, row_in_host = divmod(int(row), self.rows_per_host)
+        sample = batch * self.global_batch_size + self.process_index * self.rows_per_host + row_in_host
+        return self.samples[sample]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitWindow:
+    """Grain map step: token window -> dict of int32 arrays (picklable for worker processes)."""
+
+    options: SplitOptions
+
+    def __call__(self, window: np.ndarray) -> dict[str, np.ndarray]:
+        return split_window(window, self.options)
+
+
+def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {key: np.stack([row[key] for row in rows]) for key in BATCH_KEYS}
+
+
+def _processes(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    if process_index is None or process_count is None:
+        import jax  # only asked when the caller did not say
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    return int(process_index), int(process_count)
+
+
+def make_dataset(
+    cfg: DataConfig,
+    *,
+    split: str = "train",
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> grain.MapDataset:
+    """The host's batches as a random-access Grain MapDataset (batch k = this host's rows of k)."""
+    process_index, process_count = _processes(process_index, process_count)
+    if cfg.global_batch_size % process_count:
+        raise ValueError(
+            f"global_batch_size {cfg.global_batch_size} is not divisible by the "
+            f"{process_count} processes; make it a multiple of {process_count}"
+        )
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    samples = build_samples(cfg, split)
+    if len(samples) < cfg.global_batch_size:
+        raise ValueError(
+            f"the {split} split has {len(samples)} samples, fewer than one global batch of "
+            f"{cfg.global_batch_size}; add data, lower global_batch_size or raise num_samples"
+        )
+    rows = HostRows(samples, cfg.global_batch_size, process_index, process_count)
+    return (
+        grain.MapDataset.source(rows)
+        .map(SplitWindow(cfg.split_options()))
+        .batch(rows.rows_per_host, drop_remainder=True, batch_fn=_stack)
+    )
+
+
+def make_iterator(
+    cfg: DataConfig,
+    *,
+    split: str = "train",
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> grain.DatasetIterator:
+    """An iterator of this host's batches whose `get_state()` / `set_state()` resume exactly."""
+    dataset = make_dataset(
+        cfg, split=split, process_index=process_index, process_count=process_count
+    )
+    read_options = grain.ReadOptions(
+        num_threads=cfg.read_threads, prefetch_buffer_size=cfg.prefetch_buffer_size
+    )
+    iterable = dataset.to_iter_dataset(read_options)
+    if cfg.worker_count > 0:
+        iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+    return iter(iterable)

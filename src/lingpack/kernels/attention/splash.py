@@ -1,0 +1,45 @@
+"""The Pallas TPU splash-attention kernel with `SegmentIds`; interpret mode off-TPU (CPU tests).
+
+Splash masks pairs whose segment ids differ; we add the causal mask statically. It does not scale q,
+so q is pre-multiplied by `scale`. T is padded up to a multiple of `block` (the kernel's tile) with
+segment 0 tokens; padding queries (segment 0) see only padding keys there, and their outputs are
+zeroed afterwards so the shared mask contract holds (padding output is 0).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: bool):
+    base = splash_mask.CausalMask((seq_len, seq_len)) if causal else splash_mask.FullMask((seq_len, seq_len))
+    mask = splash_mask.MultiHeadMask([base] * num_heads)
+    sizes = splash_kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                     block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                                     block_kv_dq=block)
+    return splash_kernel.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+
+
+def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,
+                     block: int = 128, interpret: bool | None = None):
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    B, T, H, K = q_BTHK.shape
+    t_pad = -(-T // block) * block
+    pad = t_pad - T
+    seg = segment_ids_BT.astype(jnp.int32)
+    to_bhtk = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), [(0, 0), (0, 0), (0, pad), (0, 0)])
+    q = to_bhtk(q_BTHK * jnp.asarray(scale, q_BTHK.dtype))
+    k, v = to_bhtk(k_BTHK), to_bhtk(v_BTHV)
+    seg = jnp.pad(seg, [(0, 0), (0, pad)])
+    kernel = _kernel(H, t_pad, block, bool(causal), bool(interpret))
+    run = lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=splash_kernel.SegmentIds(q=s1, kv=s1))
+    o_BHTV = jax.vmap(run)(q, k, v, seg)
+    o_BTHV = jnp.swapaxes(o_BHTV, 1, 2)[:, :T]
+    return jnp.where((segment_ids_BT != 0)[..., None, None], o_BTHV, 0).astype(q_BTHK.dtype)

@@ -1,0 +1,163 @@
+"""Building blocks shared by every layer: norms, RoPE, SwiGLU MLP, the segment-masked short convolution.
+
+Parameters carry logical axis names (see `ling3.py`'s docstring for the set); compute happens in the
+module's `dtype`, numerically sensitive parts (norm statistics, RoPE angles) in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+DEFAULT_INIT = nnx.initializers.normal(stddev=0.02)  # DeepSeek/HF initializer_range
+
+
+def partitioned(init, axes: tuple[str | None, ...]):
+    """`init` with logical axis names; lazy (no mesh needed here): the training code maps names to mesh axes."""
+    return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+def as_dtype(name) -> jnp.dtype:
+    """'float32' / 'bfloat16' (or a dtype) -> jnp.dtype, with an error naming the valid choices."""
+    valid = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    if isinstance(name, str):
+        if name not in valid:
+            raise ValueError(f"unknown dtype {name!r}; valid choices: {sorted(valid)}")
+        return jnp.dtype(valid[name])
+    return jnp.dtype(name)
+
+
+def dense(in_dim: int, out_dim: int, axes: tuple[str, str], *, dtype, param_dtype, rngs: nnx.Rngs,
+          init=DEFAULT_INIT) -> nnx.Linear:
+    """Bias-free linear layer `x @ kernel[in, out]` with logical sharding `axes` on the kernel."""
+    return nnx.Linear(in_dim, out_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                      kernel_init=partitioned(init, axes), rngs=rngs)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) over the last axis, in fp32 (bf16 squares lose the mean's precision)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """y = rmsnorm(x) * weight; statistics and the product in fp32, result in `dtype` (or x's dtype)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = nnx.Param(partitioned(nnx.initializers.ones, ("norm",))(None, (dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = rms_normalize(x, self.eps) * self.weight[...].astype(jnp.float32)
+        return y.astype(self.dtype or x.dtype)
+
+
+GATE_ACTIVATIONS = {"sigmoid": jax.nn.sigmoid, "silu": jax.nn.silu}
+
+
+class GatedRMSNorm(nnx.Module):
+    """y = rmsnorm(x) * weight * act(gate), act in {sigmoid (FLA, Moonshot), silu}; all in fp32."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, activation: str = "sigmoid", dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        if activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"unknown gate activation {activation!r}; valid choices: {sorted(GATE_ACTIVATIONS)}")
+        self.eps = eps
+        self.activation = activation
+        self.dtype = dtype
+        self.weight = nnx.Param(partitioned(nnx.initializers.ones, ("norm",))(None, (dim,), param_dtype))
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        y = rms_normalize(x, self.eps) * self.weight[...].astype(jnp.float32)
+        y = y * GATE_ACTIVATIONS[self.activation](gate.astype(jnp.float32))  # gate in fp32 like FLA's fused kernel
+        return y.astype(self.dtype or x.dtype)
+
+
+def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, *, theta: float = 10000.0, rotary_dim: int | None = None,
+               interleaved: bool = False) -> jax.Array:
+    """Rotary embedding on the first `rotary_dim` features of each head (the rest pass through).
+
+    interleaved=True rotates pairs (x[2i], x[2i+1]) (GPT-J / DeepSeek-MLA checkpoints); False rotates
+    (x[i], x[i + rotary_dim/2]) (GPT-NeoX / HF `rotate_half`). Frequency i is theta^(-2i/rotary_dim).
+    Positions come from the batch (`inputs_position`), so they restart with every packed document.
+    """
+    D = x_BTHD.shape[-1]
+    rotary_dim = D if rotary_dim is None else rotary_dim
+    if rotary_dim % 2 or not 0 < rotary_dim <= D:
+        raise ValueError(f"rotary_dim must be even and in (0, {D}]; got {rotary_dim}")
+    half = rotary_dim // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rotary_dim)
+    angles_BT1F = (positions_BT.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]  # fp32: large positions
+    cos, sin = jnp.cos(angles_BT1F), jnp.sin(angles_BT1F)
+    x32 = x_BTHD.astype(jnp.float32)
+    rot, rest = x32[..., :rotary_dim], x32[..., rotary_dim:]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        rot = jnp.stack([y1, y2], axis=-1).reshape(rot.shape)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rot = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([rot, rest], axis=-1).astype(x_BTHD.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, emb_dim: int, hidden_dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = dense(emb_dim, hidden_dim, ("embed", "mlp"), **kw)
+        self.up_proj = dense(emb_dim, hidden_dim, ("embed", "mlp"), **kw)
+        self.down_proj = dense(hidden_dim, emb_dim, ("mlp", "embed"), **kw)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+
+
+def _conv_init(kernel_size: int):
+    bound = 1.0 / math.sqrt(kernel_size)  # torch Conv1d default for a depthwise conv (fan_in = kernel_size)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+    return init
+
+
+def segment_causal_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
+    """Depthwise causal conv: y[t] = sum_j kernel[j] * x[t - (K-1) + j], only over taps in t's segment.
+
+    Tap order (documented, fixed): `kernel[K-1]` multiplies the CURRENT token, `kernel[0]` the token
+    K-1 steps back: PyTorch/Flax cross-correlation order, so a torch `Conv1d.weight [C, 1, K]` converts
+    by a transpose, no flip. A tap contributes only when source and target share a segment id, so each
+    packed document starts with zero conv history.
+    """
+    K = kernel_KC.shape[0]
+    T = x_BTC.shape[1]
+    y = jnp.zeros(x_BTC.shape, jnp.float32)  # accumulate the K taps in fp32
+    for lag in range(K):
+        x_src = jnp.pad(x_BTC, [(0, 0), (lag, 0), (0, 0)])[:, :T]
+        if segment_ids_BT is not None and lag:
+            seg_src = jnp.pad(segment_ids_BT, [(0, 0), (lag, 0)], constant_values=-1)[:, :T]
+            x_src = jnp.where((seg_src == segment_ids_BT)[..., None], x_src, 0)
+        y = y + x_src.astype(jnp.float32) * kernel_KC[K - 1 - lag].astype(jnp.float32)
+    return y.astype(x_BTC.dtype)
+
+
+class ShortConvolution(nnx.Module):
+    """Depthwise causal conv over time with a segment mask, optional SiLU (see `segment_causal_conv`)."""
+
+    def __init__(self, channels: int, kernel_size: int = 4, *, activation: str | None = "silu", dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if activation not in (None, "silu"):
+            raise ValueError(f"short conv activation must be 'silu' or None; got {activation!r}")
+        self.activation = activation
+        self.dtype = dtype
+        init = partitioned(_conv_init(kernel_size), ("conv", "heads"))
+        self.kernel = nnx.Param(init(rngs.params(), (kernel_size, channels), param_dtype))
+
+    def __call__(self, x_BTC: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        y = segment_causal_conv(x_BTC.astype(self.dtype), self.kernel[...].astype(self.dtype), segment_ids_BT)
+        return jax.nn.silu(y) if self.activation == "silu" else y

@@ -1,0 +1,216 @@
+"""Every KDA implementation against FLA's naive recurrence (per document) and against `reference`."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lingpack.kernels.kda import api, segments
+from tests.kernels.kda_cases import (documents, fla_naive_module, make_inputs, per_document_oracle, rms_ratio,
+                                     segments_from_lengths)
+
+IMPLS = ["reference", "chunked", "chunked_aligned"]
+B, T, H, K, V = 2, 150, 2, 32, 16
+MAX_SEGS = 12
+CHUNK = 32  # small chunks so T=150 spans several, with a ragged tail
+
+
+@pytest.fixture(scope="module")
+def naive():
+    return fla_naive_module()
+
+
+@functools.lru_cache(maxsize=None)
+def jitted(impl, chunk_size=CHUNK, max_segs=MAX_SEGS):
+    def run(q, k, v, g, beta, seg, h0):
+        return api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=chunk_size,
+                             max_segs=max_segs, initial_state=h0, output_final_state=True)
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_grads(impl, chunk_size=CHUNK, max_segs=MAX_SEGS):
+    def loss(q, k, v, g, beta, seg, h0, w_o, w_s):
+        o, s = api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=chunk_size,
+                             max_segs=max_segs, initial_state=h0, output_final_state=True)
+        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)))
+
+
+LAYOUTS = {
+    "two_rows_padding_len1": [[40, 1, 64, 35], [70, 80]],
+    "row_boundary_same_id": [[T], [T - 10]],      # row 0's only id continues as row 1's id 1
+    "exact_chunks": [[CHUNK, CHUNK, 2 * CHUNK], [CHUNK, 1, 1, 1, CHUNK + 3]],
+    "all_padding_row": [[5, 7, 100], []],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_fla_naive_per_document(naive, impl, layout):
+    rng = np.random.default_rng(0)
+    q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
+    h0 = rng.standard_normal((B, H, K, V)).astype(np.float32)
+    seg = segments_from_lengths(LAYOUTS[layout], T)
+    o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg, h0)
+    o, s = jitted(impl)(q, k, v, g, beta, seg, h0)
+    np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(s), s_ref, atol=2e-5, rtol=1e-5)
+    assert not np.asarray(o)[seg == 0].any(), "padding positions must output 0"
+
+
+def test_strong_decay_is_finite(naive):
+    """Ling3's lower-bound gate lets g reach -5 per token: exp(-G) over a chunk would overflow fp32."""
+    rng = np.random.default_rng(1)
+    q, k, v, _, beta = make_inputs(rng, 1, 128, 1, 32, 16)
+    g = np.full((1, 128, 1, 32), -4.9, np.float32)
+    g[..., ::2] = -0.01
+    seg = np.ones((1, 128), np.int32)
+    o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg)
+    for impl in ("chunked", "chunked_aligned"):
+        o, s = api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=64, max_segs=2,
+                             output_final_state=True)
+        assert np.isfinite(np.asarray(o)).all()
+        np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(s), s_ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "chunked_aligned"])
+def test_gradients_match_reference_fp32(impl):
+    rng = np.random.default_rng(2)
+    q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
+    h0 = rng.standard_normal((B, H, K, V)).astype(np.float32)
+    w_o = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    w_s = rng.standard_normal((B, H, K, V)).astype(np.float32)
+    seg = segments_from_lengths(LAYOUTS["two_rows_padding_len1"], T)
+    ref = jitted_grads("reference")(q, k, v, g, beta, seg, h0, w_o, w_s)
+    out = jitted_grads(impl)(q, k, v, g, beta, seg, h0, w_o, w_s)
+    for name, r, o in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], ref, out):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=5e-5, rtol=1e-4, err_msg=name)
+        assert np.abs(np.asarray(r)).max() > 0, name  # the gradient exists, so the comparison means something
+
+
+@pytest.mark.parametrize("impl", ["chunked", "chunked_aligned"])
+def test_bf16_within_fla_tolerances(impl):
+    rng = np.random.default_rng(3)
+    q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
+    w_o = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    w_s = rng.standard_normal((B, H, K, V)).astype(np.float32)
+    h0 = np.zeros((B, H, K, V), np.float32)
+    seg = segments_from_lengths(LAYOUTS["two_rows_padding_len1"], T)
+    o_ref, s_ref = jitted("reference")(q, k, v, g, beta, seg, h0)
+    grads_ref = jitted_grads("reference")(q, k, v, g, beta, seg, h0, w_o, w_s)
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, g, beta)]
+    o, s = jitted(impl)(*bf, seg, h0)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32  # state stays fp32
+    assert rms_ratio(o_ref, o.astype(jnp.float32)) < 0.005
+    assert rms_ratio(s_ref, s) < 0.005
+    grads = jitted_grads(impl)(*bf, seg, h0, w_o, w_s)
+    limits = {"dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02}
+    for (name, limit), r, o in zip(limits.items(), grads_ref, grads):
+        assert rms_ratio(r, np.asarray(o, np.float32)) < limit, name
+
+
+def row_lengths(max_docs, length_strategy):
+    return st.lists(length_strategy, min_size=0, max_size=max_docs)
+
+
+@st.composite
+def segmentations(draw):
+    """Rows of random document lengths: length-1 docs, exact chunks, ragged tails, trailing padding."""
+    lengths = st.one_of(st.integers(1, 3), st.just(CHUNK), st.integers(1, T))
+    rows = []
+    for _ in range(B):
+        row, used = [], 0
+        for n in draw(row_lengths(6, lengths)):
+            if used + n > T:
+                break
+            row.append(n)
+            used += n
+        if draw(st.booleans()) and used < T:  # often fill the row completely, else leave padding
+            row.append(T - used)
+        rows.append(row)
+    return segments_from_lengths(rows, T)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seg=segmentations(), seed=st.integers(0, 2**16))
+def test_random_segmentations_all_impls_agree_with_oracle(seg, seed):
+    naive = fla_naive_module()
+    rng = np.random.default_rng(seed)
+    q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
+    h0 = rng.standard_normal((B, H, K, V)).astype(np.float32)
+    o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg, h0)
+    n_segs = int(segments.num_segments(jnp.asarray(seg)))
+    for impl in IMPLS:
+        if impl == "chunked_aligned" and n_segs > MAX_SEGS:
+            with pytest.raises(segments.SegmentError, match="max_segs"):
+                api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, max_segs=MAX_SEGS)
+            continue
+        o, s = jitted(impl)(q, k, v, g, beta, seg, h0)
+        np.testing.assert_allclose(np.asarray(o), o_ref, atol=3e-5, rtol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(np.asarray(s), s_ref, atol=3e-5, rtol=1e-5, err_msg=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_packing_invariance(impl):
+    """Each document's output in a packed batch equals that document run alone through the same impl."""
+    rng = np.random.default_rng(4)
+    q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
+    seg = segments_from_lengths(LAYOUTS["two_rows_padding_len1"], T)
+    o, _ = api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=CHUNK, max_segs=MAX_SEGS)
+    for b, idx in documents(seg):
+        alone = [x[b:b + 1, idx] for x in (q, k, v, g, beta)]
+        o_alone, _ = api.chunk_kda(*alone, impl=impl, chunk_size=CHUNK, max_segs=1)
+        np.testing.assert_allclose(np.asarray(o)[b, idx], np.asarray(o_alone)[0], atol=2e-5, rtol=1e-5)
+
+
+def test_no_segment_ids_is_one_document_per_row(naive):
+    rng = np.random.default_rng(5)
+    q, k, v, g, beta = make_inputs(rng, 2, 70, 1, 16, 16)
+    seg = np.ones((2, 70), np.int32)
+    o_ref, _ = per_document_oracle(naive, q, k, v, g, beta, seg)
+    for impl in IMPLS:
+        o, _ = api.chunk_kda(q, k, v, g, beta, impl=impl, chunk_size=16, max_segs=2)
+        np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5, rtol=1e-5)
+
+
+def test_gate_and_l2norm_in_kernel_match_outside():
+    rng = np.random.default_rng(6)
+    q, k, v, _, beta = make_inputs(rng, 1, 64, 2, 16, 16)
+    g_raw = rng.standard_normal((1, 64, 2, 16)).astype(np.float32)
+    A_log = np.log(rng.uniform(1, 16, 2)).astype(np.float32)
+    dt_bias = rng.standard_normal(32).astype(np.float32)
+    from lingpack.kernels.kda import gate
+    for lower_bound in (None, -5.0):
+        g = gate.kda_gate(g_raw, A_log, dt_bias, lower_bound)
+        o_out, _ = api.chunk_kda(gate.l2norm(q), gate.l2norm(k), v, g, beta, chunk_size=16)
+        o_in, _ = api.chunk_kda(q, k, v, g_raw, beta, chunk_size=16, use_gate_in_kernel=True, A_log=A_log,
+                                dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm_in_kernel=True)
+        np.testing.assert_allclose(np.asarray(o_in), np.asarray(o_out), atol=1e-6)
+
+
+def test_bad_arguments_name_the_argument():
+    rng = np.random.default_rng(7)
+    q, k, v, g, beta = make_inputs(rng, 1, 32, 1, 16, 16)
+    with pytest.raises(ValueError, match="k must have shape"):
+        api.chunk_kda(q, k[:, :16], v, g, beta)
+    with pytest.raises(ValueError, match="beta must have shape"):
+        api.chunk_kda(q, k, v, g, beta[..., None])
+    with pytest.raises(ValueError, match="share a dtype"):
+        api.chunk_kda(q, k.astype(jnp.bfloat16), v, g, beta)
+    with pytest.raises(ValueError, match="chunk_size"):
+        api.chunk_kda(q, k, v, g, beta, chunk_size=24)
+    with pytest.raises(ValueError, match="unknown KDA impl"):
+        api.chunk_kda(q, k, v, g, beta, impl="fast")
+    with pytest.raises(ValueError, match="max_segs"):
+        api.chunk_kda(q, k, v, g, beta, impl="chunked_aligned")
+    with pytest.raises(segments.SegmentError, match="decreases at position 3"):
+        api.chunk_kda(q, k, v, g, beta, segment_ids=np.array([[1, 1, 2, 1] + [1] * 28], np.int32))
+    with pytest.raises(segments.SegmentError, match="padding"):
+        api.chunk_kda(q, k, v, g, beta, segment_ids=np.array([[1, 0, 2] + [2] * 29], np.int32))
+    with pytest.raises(segments.SegmentError, match="integer"):
+        api.chunk_kda(q, k, v, g, beta, segment_ids=np.ones((1, 32), np.float32))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -58,15 +60,15 @@ def _tokens_per_epoch(prefix: str, fraction: float) -> int:
 
 
 @pytest.mark.parametrize(
-    "epochs, flags",
+    "epochs, flags, separate_final_epoch",
     [
-        (None, (False, False, False)),  # one epoch, Megatron's default switches
-        (2.3, (True, True, True)),  # final epoch < 80%: shuffled separately
-        (2.9, (True, False, True)),  # final epoch >= 80%: shuffled with the others
-        (3.5, (False, True, False)),
+        (None, (False, False, False), False),  # one epoch, Megatron's default switches
+        (2.3, (True, True, True), True),  # final epoch < 80%: shuffled separately
+        (2.9, (True, False, True), False),  # final epoch >= 80%: shuffled with the others
+        (3.5, (False, True, False), True),
     ],
 )
-def test_single_dataset_matches_megatron(corpora, epochs, flags):
+def test_single_dataset_matches_megatron(corpora, epochs, flags, separate_final_epoch):
     eod_mask_loss, reset_attention_mask, reset_position_ids = flags
     tokens_per_epoch = _tokens_per_epoch(corpora["a"], 0.9)
     num_samples = None if epochs is None else int(epochs * tokens_per_epoch) // SEQ
@@ -85,8 +87,18 @@ def test_single_dataset_matches_megatron(corpora, epochs, flags):
         np.testing.assert_array_equal(indices.shuffle_index, theirs.shuffle_index)
         assert indices.shuffle_index.dtype == theirs.shuffle_index.dtype
         _assert_same_samples(ours, theirs, cfg, f"{split_name} epochs={epochs}")
+        # Megatron cached these indices beside the data (no --data-cache-path): read them back.
+        cached = build_samples(dataclasses.replace(cfg, index_mode="mmap_npy"), split_name)
+        assert isinstance(cached.gpt_indices[0].sample_index, np.memmap)
+        np.testing.assert_array_equal(cached.gpt_indices[0].shuffle_index, theirs.shuffle_index)
+        np.testing.assert_array_equal(cached[len(cached) - 1], ours[len(ours) - 1])
     if epochs is not None:
-        assert len(train) >= num_samples and len(np.unique(train.document_index)) > 0
+        assert len(train) >= num_samples
+        epochs_built = -(-(num_samples * SEQ + 1) // tokens_per_epoch)
+        before_final = ((epochs_built - 1) * tokens_per_epoch - 1) // SEQ
+        # A separate final epoch shows as a shuffle that keeps earlier samples before it.
+        separated = bool(train.shuffle_index[:before_final].max() < before_final)
+        assert separated == separate_final_epoch
 
 
 @pytest.mark.parametrize("weights", [("0.3", "0.7"), ("30", "70"), ("1", "3")])

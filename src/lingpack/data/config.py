@@ -52,7 +52,7 @@ class DataConfig:
     synthetic_min_length: int = 1
     synthetic_max_length: int = 4096
     worker_count: int = 0
-    read_threads: int = 0
+    read_threads: int = 2
     prefetch_buffer_size: int = 4
     check_token_range: bool = True
 
@@ -66,7 +66,7 @@ class DataConfig:
         _choice("synthetic_length_distribution", self.synthetic_length_distribution,
                 LENGTH_DISTRIBUTIONS)
         parse_split(self.split)
-        if self.source != "synthetic":
+        if self.source != "synthetic" and self.paths:  # empty paths fail when the data is opened
             parse_blend(self.paths)
         if self.seq_length < 2:
             raise ValueError(f"seq_length must be >= 2, got {self.seq_length}")

@@ -215,7 +215,8 @@ def build_sample_index(
     """[num_samples + 1, 2] start (document_index position, offset) of every sample.
 
     Sample i starts at token i * seq_length of the document stream; its start is located in the
-    last document whose first token is at or before that position (empty documents are skipped).
+    last document whose first token is at or before that position (empty documents are skipped,
+    except that sample 0 always starts at (0, 0)).
     """
     lengths_in_order = np.asarray(sequence_lengths, dtype=np.int64)[document_index]
     document_starts = np.zeros(len(lengths_in_order) + 1, dtype=np.int64)
@@ -223,6 +224,8 @@ def build_sample_index(
     sample_starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     positions = np.searchsorted(document_starts, sample_starts, side="right") - 1
     offsets = sample_starts - document_starts[positions]
+    # Megatron records the first start as (0, 0) even when leading documents are empty.
+    positions[0], offsets[0] = 0, 0
     return np.stack([positions, offsets], axis=1)
 
 

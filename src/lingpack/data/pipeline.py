@@ -1,4 +1,6 @@
-"""The Grain pipeline: samples -> split -> batch -> per-host shard -> prefetch.
+"""The Grain pipeline: Megatron samples -> this host's rows -> split -> batch -> prefetch.
+
+(The per-host selection comes before split and batch so each host reads only its own rows.)
 
     make_iterator(cfg, split="train")  ->  grain DatasetIterator of batches
 
@@ -64,6 +66,15 @@ def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {key: np.stack([row[key] for row in rows]) for key in BATCH_KEYS}
 
 
+def _ensure_absl_flags_parsed() -> None:
+    """Grain's worker processes read absl flags; outside an absl app nobody parsed them, so take
+    the defaults (otherwise Grain raises UnparsedFlagAccessError)."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
 def _processes(process_index: int | None, process_count: int | None) -> tuple[int, int]:
     if process_index is None or process_count is None:
         import jax  # only asked when the caller did not say
@@ -119,5 +130,6 @@ def make_iterator(
     )
     iterable = dataset.to_iter_dataset(read_options)
     if cfg.worker_count > 0:
+        _ensure_absl_flags_parsed()
         iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
     return iter(iterable)

@@ -26,30 +26,90 @@ from lingpack.kernels.kda import segments
 SUB_CHUNK = 16  # decay products are factored through sub-chunk boundaries; only 16x16 diagonal blocks are explicit
 
 
+SAFE_EXPONENT = 80.0  # exp(80) = 5.5e34 < fp32 max 3.4e38: a product of such factors cannot overflow
+
+
 def _decay_products(x_NCK, k_NCK, G_NCK, *, inclusive: bool, sub: int):
     """A[c,i] = sum_d x_cd k_id exp(G_cd - G_id) for i < c (i <= c if inclusive), zero above; fp32 [.., C, C].
 
-    exp(G_c - G_i) can overflow as exp(-G_i) exp(G_c), so every factor used here has a non-positive
-    exponent: across sub-chunks the pair is split at r = the last token of i's sub-chunk
-    (exp(G_c - G_r) exp(G_r - G_i), both <= 1); inside a sub-chunk the difference is masked before exp.
+    exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so across sub-chunks the pair is split at
+    r = the last token of i's sub-chunk: exp(G_c - G_r) exp(G_r - G_i), both factors <= 1 (matmuls).
+    Inside a sub-chunk the split at its first token costs a factor up to exp(decay over the sub-chunk):
+    used when that stays below exp(80) everywhere (always for gates bounded by -5, Ling3's safe gate),
+    else the sub-chunk pairs are formed explicitly with the exponent masked before exp.
     """
     *lead, C, K = x_NCK.shape
     nb = C // sub
     blocks = lambda a: a.reshape(*lead, nb, sub, K)
     x_b, k_b, G_b = blocks(x_NCK), blocks(k_NCK), blocks(G_NCK)
-    G_ref = G_b[..., -1, :]                                               # [.., nb, K]
-    k_neg = k_b * jnp.exp(G_ref[..., None, :] - G_b)                      # exponent <= 0
-    block_of = jnp.arange(C) // sub
-    later = block_of[None, :] > jnp.arange(nb)[:, None]                   # [nb, C]: row c lies after block j
-    row_exp = jnp.where(later[..., None], G_NCK[..., None, :, :] - G_ref[..., :, None, :], 0.0)  # mask before exp
+    G_last = G_b[..., -1:, :]                                             # [.., nb, 1, K]
+    k_neg = k_b * jnp.exp(G_last - G_b)                                   # exponent <= 0
+    later = (jnp.arange(C) // sub)[None, :] > jnp.arange(nb)[:, None]     # [nb, C]: row c lies after block j
+    row_exp = jnp.where(later[..., None], G_NCK[..., None, :, :] - G_last, 0.0)  # mask before exp
     x_pos = jnp.where(later[..., None], x_NCK[..., None, :, :] * jnp.exp(row_exp), 0.0)       # [.., nb, C, K]
-    off_diag = jnp.einsum("...jck,...jik->...cji", x_pos, k_neg).reshape(*lead, C, C)
+    off_diag = jnp.moveaxis(x_pos @ jnp.swapaxes(k_neg, -1, -2), -3, -2)  # [.., C, nb, sub]
 
     tri = jnp.tril(jnp.ones((sub, sub), bool), 0 if inclusive else -1)
-    diff = jnp.where(tri[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0)  # mask before exp
-    diag = jnp.einsum("...jck,...jcik,...jik->...jci", x_b, jnp.exp(diff), k_b) * tri
-    diag_full = jnp.einsum("...pci,pj->...pcji", diag, jnp.eye(nb, dtype=diag.dtype)).reshape(*lead, C, C)
-    return off_diag + diag_full
+
+    def diag_factored(x_b, k_b, G_b):
+        G_first = G_b[..., :1, :]
+        x_loc = x_b * jnp.exp(G_b - G_first)                              # exponent <= 0
+        k_loc = k_b * jnp.exp(G_first - G_b)                              # exponent in [0, SAFE_EXPONENT]
+        return jnp.where(tri, x_loc @ jnp.swapaxes(k_loc, -1, -2), 0.0)
+
+    def diag_explicit(x_b, k_b, G_b):
+        diff = jnp.where(tri[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0)  # mask before exp
+        return jnp.einsum("...jck,...jcik,...jik->...jci", x_b, jnp.exp(diff), k_b) * tri
+
+    safe = jnp.all(G_b[..., 0, :] - G_b[..., -1, :] <= SAFE_EXPONENT)
+    diag = jax.lax.cond(safe, diag_factored, diag_explicit, x_b, k_b, G_b)   # [.., nb, sub, sub]
+    diag_full = jnp.einsum("...pci,pj->...pcji", diag, jnp.eye(nb, dtype=diag.dtype))
+    return (off_diag + diag_full.reshape(off_diag.shape)).reshape(*lead, C, C)
+
+
+def _base_inverse(L_bb):
+    """(I + L)^-1 for strictly lower L by forward substitution, one row per step (b steps)."""
+    b = L_bb.shape[-1]
+    X = jnp.broadcast_to(jnp.eye(b, dtype=L_bb.dtype), L_bb.shape)
+    for i in range(1, b):
+        X = X.at[..., i, :].add(-jnp.einsum("...j,...jc->...c", L_bb[..., i, :], X))
+    return X
+
+
+@jax.custom_vjp
+def unit_lower_inverse(L_CC):
+    """(I + L)^-1 for strictly lower L: 16x16 diagonal blocks by substitution, merged pairwise with
+    [[A,0],[B,D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]] (matmuls; XLA's batched triangular solve is
+    ~70x slower on CPU). Substitution, unlike a Neumann product, stays exact when keys repeat."""
+    *lead, C, _ = L_CC.shape
+    base = min(SUB_CHUNK, C)
+    nb = C // base
+    L_blocks = L_CC.reshape(*lead, nb, base, nb, base)
+    blocks = list(jnp.moveaxis(_base_inverse(jnp.stack([L_blocks[..., j, :, j, :] for j in range(nb)], -3)), -3, 0))
+    size = base
+    while len(blocks) > 1:
+        merged = []
+        for p in range(0, len(blocks), 2):
+            r0 = p * size
+            lower = -blocks[p + 1] @ L_CC[..., r0 + size:r0 + 2 * size, r0:r0 + size] @ blocks[p]
+            top = jnp.concatenate([blocks[p], jnp.zeros_like(blocks[p])], -1)
+            merged.append(jnp.concatenate([top, jnp.concatenate([lower, blocks[p + 1]], -1)], -2))
+        blocks, size = merged, size * 2
+    return blocks[0]
+
+
+def _inverse_fwd(L_CC):
+    X = unit_lower_inverse(L_CC)
+    return X, X
+
+
+def _inverse_bwd(X_CC, dX_CC):
+    Xt = jnp.swapaxes(X_CC, -1, -2)
+    # d(M^-1) = -M^-1 dM M^-1 with M = I + L; only the strictly lower entries of L are free.
+    return (jnp.tril(-(Xt @ dX_CC @ Xt), -1),)
+
+
+unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 
 def _intra_chunk(q, k, v, g, beta, same_CC, *, sub: int):
@@ -63,9 +123,8 @@ def _intra_chunk(q, k, v, g, beta, same_CC, *, sub: int):
         A_kk = jnp.where(same_CC, A_kk, 0.0)
         A_qk = jnp.where(same_CC, A_qk, 0.0)
     lower = jnp.where(causal_strict, beta[..., :, None] * A_kk, 0.0)
-    eye = jnp.eye(C, dtype=jnp.float32)
-    # Tm = (I + L)^-1 Diag(beta), L strictly lower: a unit-triangular solve (block-diagonal per segment).
-    t_mat = jax.scipy.linalg.solve_triangular(eye + lower, eye * beta[..., None, :], lower=True, unit_diagonal=True)
+    # Tm = (I + L)^-1 Diag(beta), L strictly lower (block-diagonal per segment).
+    t_mat = unit_lower_inverse(lower) * beta[..., None, :]
     w = t_mat @ (jnp.exp(G) * k)
     u = t_mat @ v
     G_last = G[..., -1:, :]

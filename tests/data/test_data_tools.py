@@ -1,0 +1,124 @@
+"""Packing statistics, the stats and preprocess CLIs, tokenizers and the bundled corpus."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from lingpack.data.config import DataConfig
+from lingpack.data.corpus import CORPUS_FILE, bundled_corpus_prefix
+from lingpack.data.indexed import IndexedDataset
+from lingpack.data.pipeline import make_iterator
+from lingpack.data.preprocess import main as preprocess_main
+from lingpack.data.preprocess import preprocess
+from lingpack.data.stats import batch_stats, main as stats_main, segment_bound
+from lingpack.data.tokenizer import BYTE_EOD_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE, ByteTokenizer
+
+
+def test_batch_stats_hand_worked():
+    segmentation = np.array([[1, 1, 2, 2, 2, 3], [1, 1, 1, 1, 0, 0]], dtype=np.int32)
+    stats = batch_stats({"inputs_segmentation": segmentation,
+                         "targets_segmentation": np.where(segmentation > 0, 1, 0)})
+    assert stats["segments_per_row_mean"] == 2.0 and stats["segments_per_row_max"] == 3
+    assert stats["min_safe_max_segs"] == 4  # flattened [1, B*T]: 3 + 1 real segments
+    assert stats["min_safe_max_segs_per_row"] == 3
+    assert (stats["doc_length_min"], stats["doc_length_max"]) == (1, 4)
+    assert stats["doc_length_mean"] == pytest.approx(10 / 4)
+    assert stats["padding_fraction"] == pytest.approx(2 / 12)
+    assert stats["loss_tokens"] == 10
+
+
+def test_segment_bound_is_never_exceeded():
+    cfg = DataConfig(source="synthetic", split="1,0,0", seq_length=64, global_batch_size=4,
+                     eod_id=5, pad_id=6, vocab_size=50, synthetic_length_distribution="uniform",
+                     synthetic_min_length=3, synthetic_max_length=12, num_samples=200)
+    bound = segment_bound(3, 64, 4)
+    for batch in make_iterator(cfg, process_index=0, process_count=1):
+        assert batch_stats(batch)["min_safe_max_segs"] <= bound
+
+
+def test_byte_tokenizer_round_trip():
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("héllo")
+    assert ids.tolist() == list("héllo".encode("utf-8")) and ids.max() < 256
+    assert tokenizer.decode(np.append(ids, BYTE_EOD_ID)) == "héllo"
+    assert (BYTE_EOD_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE) == (256, 257, 258)
+
+
+def test_preprocess_jsonl_and_text(tmp_path, capsys):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": t}) for t in ["ab", "", "cde"]) + "\n")
+    text = tmp_path / "book.txt"
+    text.write_text("para one\nstill one\n\npara two\n")
+    prefix = str(tmp_path / "out")
+    assert preprocess_main(["--input", str(jsonl), str(text), "--output-prefix", prefix,
+                            "--append-eod", "--txt-split", "paragraph"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["documents"] == 4 and report["skipped_empty"] == 1
+    dataset = IndexedDataset(prefix)
+    assert dataset.dtype == np.uint16
+    assert dataset[0].tolist() == [97, 98, BYTE_EOD_ID]
+    assert ByteTokenizer().decode(dataset[2]) == "para one\nstill one\n"
+    assert [int(d[-1]) for d in (dataset[i] for i in range(4))] == [BYTE_EOD_ID] * 4
+
+
+def test_preprocess_errors_name_the_input(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
+        preprocess([str(bad)], str(tmp_path / "x"))
+    wrong_key = tmp_path / "key.jsonl"
+    wrong_key.write_text('{"content": "x"}\n')
+    with pytest.raises(ValueError, match=r"key\.jsonl:1: no 'text' key"):
+        preprocess([str(wrong_key)], str(tmp_path / "y"))
+
+
+def test_preprocess_with_local_tokenizer_json(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "<eod>"])
+    tokenizer.train_from_iterator(["the cat sat", "the dog ran"], trainer)
+    path = str(tmp_path / "tokenizer.json")
+    tokenizer.save(path)
+    source = tmp_path / "t.jsonl"
+    source.write_text(json.dumps({"text": "the cat ran"}) + "\n")
+    prefix = str(tmp_path / "tok")
+    preprocess_main(["--input", str(source), "--output-prefix", prefix, "--tokenizer", path,
+                     "--eod-token", "<eod>", "--append-eod"])
+    eod = tokenizer.token_to_id("<eod>")
+    expected = [tokenizer.token_to_id(w) for w in ("the", "cat", "ran")] + [eod]
+    assert IndexedDataset(prefix)[0].tolist() == expected
+    with pytest.raises(ValueError, match="name the end-of-document token"):
+        preprocess_main(["--input", str(source), "--output-prefix", prefix, "--tokenizer", path])
+
+
+def test_bundled_corpus(tmp_path):
+    with gzip.open(CORPUS_FILE, "rt", encoding="utf-8") as stream:
+        texts = [json.loads(line)["text"] for line in stream]
+    prefix = bundled_corpus_prefix(str(tmp_path))
+    assert bundled_corpus_prefix(str(tmp_path)) == prefix  # second call reuses the files
+    dataset = IndexedDataset(prefix)
+    assert len(dataset) == len(texts) > 50
+    assert ByteTokenizer().decode(dataset[0]) == texts[0]
+    dataset.check_token_range(BYTE_VOCAB_SIZE)
+    cfg = DataConfig(paths=(prefix,), eod_id=BYTE_EOD_ID, pad_id=BYTE_PAD_ID,
+                     vocab_size=BYTE_VOCAB_SIZE, seq_length=256, global_batch_size=8)
+    batch = next(make_iterator(cfg, process_index=0, process_count=1))
+    assert batch["inputs"].shape == (8, 256)
+
+
+def test_stats_cli(tmp_path, capsys):
+    prefix = bundled_corpus_prefix(str(tmp_path))
+    assert stats_main([prefix + ".bin", "--seq-length", "128", "--global-batch-size", "4",
+                       "--num-batches", "20", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["batches_read"] == 20
+    assert report["segments_per_batch_max"] <= report["segments_per_batch_bound"]
+    assert report["recommended_max_segs"] >= report["segments_per_batch_max"]
+    assert report["recommended_max_segs"] % 8 == 0

@@ -23,7 +23,9 @@ def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: b
     sizes = splash_kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                                      block_kv_dq=block)
-    return splash_kernel.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+    with jax.ensure_compile_time_eval():  # mask metadata must be concrete: the kernel is cached across traces
+        return splash_kernel.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
+                                             interpret=interpret)
 
 
 def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,

@@ -26,6 +26,7 @@ IMPLS: dict[str, Callable] = {
     "chunked": chunked.chunked_segment_native,
     "chunked_aligned": chunked.chunked_aligned,
 }
+SAFE_GATE_MIN = -5.0  # Ling3's lower bound; 15 such steps inside a 16-token sub-chunk stay below exp(88)
 NEEDS_MAX_SEGS = {"chunked_aligned", "pallas_varlen"}
 CHUNKED = {"chunked", "chunked_aligned", "pallas_varlen", "pallas_segment"}
 
@@ -72,12 +73,14 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
               max_segs: int | None = None, scale: float | None = None, initial_state=None,
               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
               use_gate_in_kernel: bool = False, A_log=None, dt_bias=None, lower_bound: float | None = None,
-              interpret: bool | None = None):
+              safe_gate: bool = False, interpret: bool | None = None):
     """KDA over packed rows; see the module docstring for shapes and semantics.
 
     With `use_gate_in_kernel`, `g` holds the raw gate pre-activation and the gate (softplus form with
     `A_log`/`dt_bias`, or the safe form when `lower_bound` is set) is applied here; with
-    `use_qk_l2norm_in_kernel`, q and k are L2-normalised (fp32) here. `interpret` only concerns Pallas.
+    `use_qk_l2norm_in_kernel`, q and k are L2-normalised (fp32) here. `safe_gate` promises every
+    g >= -5 (always true for the lower-bound gate, which sets it), letting the chunked kernels form
+    within-sub-chunk decays with matmuls; a larger decay would then overflow. `interpret` only concerns Pallas.
     """
     _load_optional_impls()
     if impl not in IMPLS:
@@ -100,6 +103,10 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
 
     if use_gate_in_kernel:
         g = gate.kda_gate(g, A_log, dt_bias, lower_bound)
+        safe_gate = safe_gate or lower_bound is not None
+    elif safe_gate and segments.is_concrete(g) and float(jnp.min(g)) < SAFE_GATE_MIN:
+        raise ValueError(f"safe_gate=True needs every g >= {SAFE_GATE_MIN}; got min(g) = {float(jnp.min(g)):.3g}."
+                         " Use the lower-bound gate or pass safe_gate=False")
     if use_qk_l2norm_in_kernel:
         q, k = gate.l2norm(q), gate.l2norm(k)
     scale = K ** -0.5 if scale is None else scale
@@ -108,7 +115,7 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
 
     kwargs = dict(segment_ids_BT=segment_ids, scale=scale, initial_state_BHKV=initial_state)
     if impl in CHUNKED:
-        kwargs["chunk_size"] = chunk_size
+        kwargs.update(chunk_size=chunk_size, safe_gate=safe_gate)
     if impl in NEEDS_MAX_SEGS:
         kwargs["max_segs"] = max_segs
     if impl.startswith("pallas"):

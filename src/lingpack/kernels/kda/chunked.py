@@ -26,45 +26,46 @@ from lingpack.kernels.kda import segments
 SUB_CHUNK = 16  # decay products are factored through sub-chunk boundaries; only 16x16 diagonal blocks are explicit
 
 
-SAFE_EXPONENT = 80.0  # exp(80) = 5.5e34 < fp32 max 3.4e38: a product of such factors cannot overflow
+def _decay_products(q_NCK, k_NCK, G_NCK, *, sub: int, safe_gate: bool):
+    """A_qk[c,i] = sum_d q_cd k_id exp(G_cd - G_id) (i <= c) and A_kk (same with k, i < c); fp32 [.., C, C].
 
-
-def _decay_products(x_NCK, k_NCK, G_NCK, *, inclusive: bool, sub: int):
-    """A[c,i] = sum_d x_cd k_id exp(G_cd - G_id) for i < c (i <= c if inclusive), zero above; fp32 [.., C, C].
-
-    exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so across sub-chunks the pair is split at
-    r = the last token of i's sub-chunk: exp(G_c - G_r) exp(G_r - G_i), both factors <= 1 (matmuls).
-    Inside a sub-chunk the split at its first token costs a factor up to exp(decay over the sub-chunk):
-    used when that stays below exp(80) everywhere (always for gates bounded by -5, Ling3's safe gate),
-    else the sub-chunk pairs are formed explicitly with the exponent masked before exp.
+    exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so for i in sub-chunk j and c after it the
+    pair is split at r = the last token of sub-chunk j: exp(G_c - G_r) exp(G_r - G_i), both factors <= 1,
+    and each column block is one matmul. Inside a sub-chunk, with `safe_gate` (every g >= -5, Ling3's
+    lower-bound gate) the split at its first token costs a factor of at most exp(5 * 15), far below fp32's
+    exp(88) overflow; without it the pairs are formed explicitly with the exponent masked before exp.
     """
-    *lead, C, K = x_NCK.shape
+    *lead, C, K = q_NCK.shape
     nb = C // sub
     blocks = lambda a: a.reshape(*lead, nb, sub, K)
-    x_b, k_b, G_b = blocks(x_NCK), blocks(k_NCK), blocks(G_NCK)
-    G_last = G_b[..., -1:, :]                                             # [.., nb, 1, K]
-    k_neg = k_b * jnp.exp(G_last - G_b)                                   # exponent <= 0
-    later = (jnp.arange(C) // sub)[None, :] > jnp.arange(nb)[:, None]     # [nb, C]: row c lies after block j
-    row_exp = jnp.where(later[..., None], G_NCK[..., None, :, :] - G_last, 0.0)  # mask before exp
-    x_pos = jnp.where(later[..., None], x_NCK[..., None, :, :] * jnp.exp(row_exp), 0.0)       # [.., nb, C, K]
-    off_diag = jnp.moveaxis(x_pos @ jnp.swapaxes(k_neg, -1, -2), -3, -2)  # [.., C, nb, sub]
-
-    tri = jnp.tril(jnp.ones((sub, sub), bool), 0 if inclusive else -1)
-
-    def diag_factored(x_b, k_b, G_b):
+    q_b, k_b, G_b = blocks(q_NCK), blocks(k_NCK), blocks(G_NCK)
+    incl = jnp.tril(jnp.ones((sub, sub), bool))
+    strict = jnp.tril(jnp.ones((sub, sub), bool), -1)
+    if safe_gate:
         G_first = G_b[..., :1, :]
-        x_loc = x_b * jnp.exp(G_b - G_first)                              # exponent <= 0
-        k_loc = k_b * jnp.exp(G_first - G_b)                              # exponent in [0, SAFE_EXPONENT]
-        return jnp.where(tri, x_loc @ jnp.swapaxes(k_loc, -1, -2), 0.0)
+        pos, neg = jnp.exp(G_b - G_first), jnp.exp(G_first - G_b)   # exponents <= 0 and <= 75
+        k_neg_t = jnp.swapaxes(k_b * neg, -1, -2)
+        diag_qk = jnp.where(incl, (q_b * pos) @ k_neg_t, 0.0)
+        diag_kk = jnp.where(strict, (k_b * pos) @ k_neg_t, 0.0)
+    else:
+        decay = jnp.exp(jnp.where(incl[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0))  # mask before exp
+        diag_qk = jnp.einsum("...ck,...cik,...ik->...ci", q_b, decay, k_b) * incl
+        diag_kk = jnp.einsum("...ck,...cik,...ik->...ci", k_b, decay, k_b) * strict
 
-    def diag_explicit(x_b, k_b, G_b):
-        diff = jnp.where(tri[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0)  # mask before exp
-        return jnp.einsum("...jck,...jcik,...jik->...jci", x_b, jnp.exp(diff), k_b) * tri
-
-    safe = jnp.all(G_b[..., 0, :] - G_b[..., -1, :] <= SAFE_EXPONENT)
-    diag = jax.lax.cond(safe, diag_factored, diag_explicit, x_b, k_b, G_b)   # [.., nb, sub, sub]
-    diag_full = jnp.einsum("...pci,pj->...pcji", diag, jnp.eye(nb, dtype=diag.dtype))
-    return (off_diag + diag_full.reshape(off_diag.shape)).reshape(*lead, C, C)
+    cols_qk, cols_kk = [], []
+    for j in range(nb):
+        above = [jnp.zeros((*lead, j * sub, sub), jnp.float32)] if j else []
+        col_qk, col_kk = above + [diag_qk[..., j, :, :]], above + [diag_kk[..., j, :, :]]
+        if j < nb - 1:
+            G_ref = G_NCK[..., (j + 1) * sub - 1:(j + 1) * sub, :]
+            rows = slice((j + 1) * sub, None)
+            row_decay = jnp.exp(G_NCK[..., rows, :] - G_ref)                          # exponent <= 0
+            k_neg_t = jnp.swapaxes(k_b[..., j, :, :] * jnp.exp(G_ref - G_b[..., j, :, :]), -1, -2)  # <= 0
+            col_qk.append((q_NCK[..., rows, :] * row_decay) @ k_neg_t)
+            col_kk.append((k_NCK[..., rows, :] * row_decay) @ k_neg_t)
+        cols_qk.append(jnp.concatenate(col_qk, axis=-2))
+        cols_kk.append(jnp.concatenate(col_kk, axis=-2))
+    return jnp.concatenate(cols_qk, axis=-1), jnp.concatenate(cols_kk, axis=-1)
 
 
 def _base_inverse(L_bb):
@@ -112,17 +113,15 @@ def _inverse_bwd(X_CC, dX_CC):
 unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 
-def _intra_chunk(q, k, v, g, beta, same_CC, *, sub: int):
+def _intra_chunk(q, k, v, g, beta, same_CC, *, sub: int, safe_gate: bool):
     """Everything that does not depend on the carried state, for all chunks at once ([.., H, C, *])."""
     C = q.shape[-2]
     G = jnp.cumsum(g, axis=-2)  # chunk-local log-decay, fp32
-    causal_strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    A_kk = _decay_products(k, k, G, inclusive=False, sub=sub)
-    A_qk = _decay_products(q, k, G, inclusive=True, sub=sub)
+    A_qk, A_kk = _decay_products(q, k, G, sub=sub, safe_gate=safe_gate)
     if same_CC is not None:
         A_kk = jnp.where(same_CC, A_kk, 0.0)
         A_qk = jnp.where(same_CC, A_qk, 0.0)
-    lower = jnp.where(causal_strict, beta[..., :, None] * A_kk, 0.0)
+    lower = beta[..., :, None] * A_kk
     # Tm = (I + L)^-1 Diag(beta), L strictly lower (block-diagonal per segment).
     t_mat = unit_lower_inverse(lower) * beta[..., None, :]
     w = t_mat @ (jnp.exp(G) * k)
@@ -162,7 +161,8 @@ def _prepare(q, k, v, g, beta, real_BT, scale):
 
 
 def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale,
-                           initial_state_BHKV, chunk_size=64, sub_chunk=SUB_CHUNK):
+                           initial_state_BHKV, chunk_size=64, safe_gate=False,
+                           sub_chunk=SUB_CHUNK):
     _check_chunk(chunk_size)
     B, T, H, K = q_BTHK.shape
     n_chunks = -(-T // chunk_size)
@@ -181,7 +181,7 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
     prev_last = jnp.concatenate([ids_BNC[:, :1, 0], ids_BNC[:, :-1, -1]], axis=1)     # [B, N]
     carry_BNC = ids_BNC == prev_last[..., None]        # token continues the segment the state belongs to
     last_BNC = ids_BNC == ids_BNC[..., -1:]            # token belongs to the chunk's last segment
-    pre = _intra_chunk(q, k, v, g, beta, same_BNCC, sub=sub_chunk)
+    pre = _intra_chunk(q, k, v, g, beta, same_BNCC, sub=sub_chunk, safe_gate=safe_gate)
     carry = carry_BNC[:, :, None, :, None]
     pre["w"] = pre["w"] * carry
     pre["q_decay"] = pre["q_decay"] * carry
@@ -203,7 +203,7 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
 
 
 def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale, initial_state_BHKV,
-                    max_segs, chunk_size=64, sub_chunk=SUB_CHUNK):
+                    max_segs, chunk_size=64, safe_gate=False, sub_chunk=SUB_CHUNK):
     _check_chunk(chunk_size)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
@@ -217,7 +217,7 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
         x.reshape(B * T, *x.shape[2:]), mode="drop")[None]
     q, k, v, g = [_to_chunks(scatter(x), n_chunks, chunk_size) for x in xs[:4]]
     beta = jnp.moveaxis(scatter(xs[4]).reshape(1, n_chunks, chunk_size, H), 2, 3)
-    pre = _intra_chunk(q, k, v, g, beta, None, sub=sub_chunk)
+    pre = _intra_chunk(q, k, v, g, beta, None, sub=sub_chunk, safe_gate=safe_gate)
 
     # Initial state per chunk: a row's first segment starts from that row's state, others from zero.
     init_table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])

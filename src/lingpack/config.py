@@ -1,0 +1,169 @@
+"""The resolved run configuration: Hydra's composed config -> small frozen dataclasses, validated.
+
+This is the only module (with run.py) that knows Hydra exists. Every group maps onto the dataclass its
+consumer owns (`Ling3Config`, `DataConfig`, `LossConfig`, ...); an unknown key, a wrong type or an
+invalid choice raises `ConfigError` naming the key (as `group.key`) and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+
+from lingpack.data.config import DataConfig
+from lingpack.models.ling3 import Ling3Config, config_from_dict
+from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
+
+KERNELS = ("reference", "chunked", "chunked_aligned", "pallas_varlen", "pallas_segment")
+KERNELS_WITH_MAX_SEGS = ("chunked_aligned", "pallas_varlen")
+LOGGER_KINDS = ("wandb", "none")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run, with the key and the fix in the message."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """The KDA kernel: `name` picks the implementation behind `kernels.kda.api.chunk_kda`."""
+    name: str = "chunked"
+    max_segs: int | None = None      # cu_seqlens slots per micro-batch (aligned designs only)
+    chunk_size: int = 64
+    interpret: bool | None = None    # Pallas: None = interpret mode off TPU
+
+    def __post_init__(self):
+        if self.name not in KERNELS:
+            raise ConfigError(f"kernel.name={self.name!r} is not one of {KERNELS}")
+        if self.name in KERNELS_WITH_MAX_SEGS and (self.max_segs is None or self.max_segs < 1):
+            raise ConfigError(f"kernel={self.name} packs documents into kernel.max_segs slots: set kernel.max_segs"
+                              " >= the most documents in a micro-batch (`python -m lingpack.data.stats` recommends one)")
+        if self.chunk_size < 16 or self.chunk_size % 16:
+            raise ConfigError(f"kernel.chunk_size={self.chunk_size} must be a positive multiple of 16 (64 is standard)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggerConfig:
+    kind: str = "wandb"
+    mode: str = "offline"
+    project: str = "lingpack"
+    group: str | None = None
+    job_type: str = "train"
+    tags: tuple[str, ...] = ()
+    console_every: int = 5
+
+    def __post_init__(self):
+        if self.kind not in LOGGER_KINDS:
+            raise ConfigError(f"logger.kind={self.kind!r} is not one of {LOGGER_KINDS}")
+        if self.mode not in WANDB_MODES:
+            raise ConfigError(f"logger.mode={self.mode!r} is not one of {WANDB_MODES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityConfig:
+    """The Megatron loss-parity experiment (experiment=loss_parity)."""
+    enabled: bool = False
+    tolerance: float = 1e-4
+    megatron_log: str | None = None  # compare against an imported Megatron-LM log as well
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str
+    seed: int
+    model: Ling3Config
+    kernel: KernelConfig
+    data: DataConfig
+    loss: LossConfig
+    optim: OptimConfig
+    parallel: ParallelConfig
+    checkpoint: CheckpointConfig
+    train: TrainConfig
+    logger: LoggerConfig
+    parity: ParityConfig
+    run_dir: str
+
+
+def _is_instance(value, annotation) -> bool:
+    origin = typing.get_origin(annotation)
+    if annotation in (typing.Any, None) or isinstance(annotation, str):
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (tuple, list):
+        return isinstance(value, (tuple, list))
+    return isinstance(value, origin or annotation) if isinstance(origin or annotation, type) else True
+
+
+def make(cls, values: dict | None, group: str):
+    """`cls(**values)` with errors naming `group.key`: unknown keys, wrong types, failed validation."""
+    values = dict(values or {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(f'{group}.{k}' for k in unknown)}; valid keys: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        if isinstance(value, list):
+            values[key] = value = tuple(value)
+        if value == "???":
+            raise ConfigError(f"{group}.{key} is required (it is ??? in the config); set it on the command line")
+        if not _is_instance(value, hints[key]):
+            raise ConfigError(f"{group}.{key}={value!r} has the wrong type: expected {hints[key]}")
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{group}: {err}") from err
+
+
+def _data_config(values: dict, seed_dir: str) -> DataConfig:
+    values = dict(values)
+    paths = values.get("paths") or ()
+    if isinstance(paths, str):
+        paths = paths.split()
+    if "bundled" in paths:  # the bundled corpus, tokenized into cache_dir on first use
+        from lingpack.data.corpus import bundled_corpus_prefix
+        prefix = bundled_corpus_prefix(values.get("cache_dir") or os.path.join(seed_dir, "data_cache"))
+        paths = [prefix if p == "bundled" else p for p in paths]
+    values["paths"] = tuple(paths)
+    return make(DataConfig, values, "data")
+
+
+def build(cfg: dict, run_dir: str) -> RunConfig:
+    """A resolved plain-dict config (OmegaConf.to_container(cfg, resolve=True)) -> RunConfig."""
+    known = {"name", "seed", "model", "kernel", "data", "loss", "optim", "parallel", "checkpoint", "train",
+             "logger", "parity", "hydra"}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {sorted(known - {'hydra'})}")
+    kernel = make(KernelConfig, cfg.get("kernel"), "kernel")
+    model_values = dict(cfg.get("model") or {})
+    model_values.update(kda_impl=kernel.name, kda_chunk_size=kernel.chunk_size, kda_max_segs=kernel.max_segs)
+    try:
+        model = config_from_dict(model_values)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"model: {err}") from err
+    data = _data_config(cfg.get("data") or {}, os.getcwd())
+    if data.vocab_size > model.vocab_size:
+        raise ConfigError(f"data.vocab_size={data.vocab_size} exceeds model.vocab_size={model.vocab_size}: tokens"
+                          " would index past the embedding; raise model.vocab_size")
+    train_values = dict(cfg.get("train") or {})
+    train_values.setdefault("seed", cfg.get("seed", 0))
+    optim_values = dict(cfg.get("optim") or {})
+    return RunConfig(
+        name=str(cfg.get("name", "run")), seed=int(cfg.get("seed", 0)), model=model, kernel=kernel, data=data,
+        loss=make(LossConfig, cfg.get("loss"), "loss"), optim=make(OptimConfig, optim_values, "optim"),
+        parallel=make(ParallelConfig, cfg.get("parallel"), "parallel"),
+        checkpoint=make(CheckpointConfig, cfg.get("checkpoint"), "checkpoint"),
+        train=make(TrainConfig, train_values, "train"), logger=make(LoggerConfig, cfg.get("logger"), "logger"),
+        parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir)

@@ -129,14 +129,25 @@ def make(cls, values: dict | None, group: str):
 def _data_config(values: dict, seed_dir: str) -> DataConfig:
     values = dict(values)
     paths = values.get("paths") or ()
+    if paths == "???":
+        raise ConfigError("data.paths is required (it is ??? in the config): give Megatron --data-path style"
+                          " prefixes, e.g. 'data.paths=[/data/corpus_text_document]'")
     if isinstance(paths, str):
         paths = paths.split()
-    if "bundled" in paths:  # the bundled corpus, tokenized into cache_dir on first use
-        from lingpack.data.corpus import bundled_corpus_prefix
-        prefix = bundled_corpus_prefix(values.get("cache_dir") or os.path.join(seed_dir, "data_cache"))
-        paths = [prefix if p == "bundled" else p for p in paths]
+    cache_dir = values.get("cache_dir") or os.path.join(seed_dir, "data_cache")
+    # "bundled" / "bundled:scene": the bundled corpus (one document per speech / per scene), tokenized on first use
+    paths = [_bundled(p, cache_dir) if str(p).startswith("bundled") else p for p in paths]
     values["paths"] = tuple(paths)
     return make(DataConfig, values, "data")
+
+
+def _bundled(path: str, cache_dir: str) -> str:
+    from lingpack.data.corpus import bundled_corpus_prefix
+    unit = path.partition(":")[2] or "speech"
+    try:
+        return bundled_corpus_prefix(cache_dir, unit)
+    except ValueError as err:
+        raise ConfigError(f"data.paths entry {path!r}: {err}") from err
 
 
 def build(cfg: dict, run_dir: str) -> RunConfig:

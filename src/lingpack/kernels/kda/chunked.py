@@ -26,29 +26,36 @@ from lingpack.kernels.kda import segments
 SUB_CHUNK = 16  # decay products are factored through sub-chunk boundaries; only 16x16 diagonal blocks are explicit
 
 
-def _decay_products(q_NCK, k_NCK, G_NCK, *, sub: int, safe_gate: bool):
-    """A_qk[c,i] = sum_d q_cd k_id exp(G_cd - G_id) (i <= c) and A_kk (same with k, i < c); fp32 [.., C, C].
+def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
+    """A_qk[c,i] = sum_d q_cd k_id exp(G_cd - G_id) (i <= c) and A_kk (same with k, i < c), both zero unless c
+    and i share a segment; fp32 [.., C, C]. G is the segment-local cumsum, so G_c - G_i <= 0 for every kept pair.
 
     exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so for i in sub-chunk j and c after it the
-    pair is split at r = the last token of sub-chunk j: exp(G_c - G_r) exp(G_r - G_i), both factors <= 1,
-    and each column block is one matmul. Inside a sub-chunk, with `safe_gate` (every g >= -5, Ling3's
-    lower-bound gate) the split at its first token costs a factor of at most exp(5 * 15), far below fp32's
-    exp(88) overflow; without it the pairs are formed explicitly with the exponent masked before exp.
+    pair is split at r = the last token of sub-chunk j: exp(G_c - G_r) exp(G_r - G_i), both <= 1, one matmul
+    per column block (a pair can only be kept if r shares its segment, so other factors are zeroed). Inside a
+    sub-chunk, with `safe_gate` (every g >= -5, Ling3's lower-bound gate) the split is at each token's
+    segment start within the sub-chunk, costing a factor of at most exp(5 * 15), far below fp32's exp(88);
+    without it the pairs are formed explicitly. Every exponent is masked BEFORE exp (NaN-free gradients).
     """
     *lead, C, K = q_NCK.shape
     nb = C // sub
-    blocks = lambda a: a.reshape(*lead, nb, sub, K)
+    blocks = lambda a: a.reshape(*a.shape[:-2], nb, sub, a.shape[-1])
     q_b, k_b, G_b = blocks(q_NCK), blocks(k_NCK), blocks(G_NCK)
-    incl = jnp.tril(jnp.ones((sub, sub), bool))
-    strict = jnp.tril(jnp.ones((sub, sub), bool), -1)
+    seg_b = seg_NC.reshape(*seg_NC.shape[:-1], nb, sub)
+    same_b = seg_b[..., :, None] == seg_b[..., None, :]
+    incl = jnp.tril(jnp.ones((sub, sub), bool)) & same_b
+    strict = jnp.tril(jnp.ones((sub, sub), bool), -1) & same_b
     if safe_gate:
-        G_first = G_b[..., :1, :]
-        pos, neg = jnp.exp(G_b - G_first), jnp.exp(G_first - G_b)   # exponents <= 0 and <= 75
-        k_neg_t = jnp.swapaxes(k_b * neg, -1, -2)
+        starts = jnp.concatenate([jnp.ones_like(seg_b[..., :1], bool), seg_b[..., 1:] != seg_b[..., :-1]], -1)
+        ref = jax.lax.cummax(jnp.where(starts, jnp.arange(sub), 0), axis=seg_b.ndim - 1)  # segment start in block
+        pick = (ref[..., :, None] == jnp.arange(sub)).astype(jnp.float32)
+        G_ref = jnp.einsum("...tr,...rk->...tk", pick, G_b, precision="highest")  # one-hot gather, exact
+        k_neg_t = jnp.swapaxes(k_b * jnp.exp(G_ref - G_b), -1, -2)     # exponent in [0, 75]
+        pos = jnp.exp(G_b - G_ref)                                       # exponent <= 0
         diag_qk = jnp.where(incl, (q_b * pos) @ k_neg_t, 0.0)
         diag_kk = jnp.where(strict, (k_b * pos) @ k_neg_t, 0.0)
     else:
-        decay = jnp.exp(jnp.where(incl[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0))  # mask before exp
+        decay = jnp.exp(jnp.where(incl[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0))
         diag_qk = jnp.einsum("...ck,...cik,...ik->...ci", q_b, decay, k_b) * incl
         diag_kk = jnp.einsum("...ck,...cik,...ik->...ci", k_b, decay, k_b) * strict
 
@@ -57,10 +64,13 @@ def _decay_products(q_NCK, k_NCK, G_NCK, *, sub: int, safe_gate: bool):
         above = [jnp.zeros((*lead, j * sub, sub), jnp.float32)] if j else []
         col_qk, col_kk = above + [diag_qk[..., j, :, :]], above + [diag_kk[..., j, :, :]]
         if j < nb - 1:
-            G_ref = G_NCK[..., (j + 1) * sub - 1:(j + 1) * sub, :]
-            rows = slice((j + 1) * sub, None)
-            row_decay = jnp.exp(G_NCK[..., rows, :] - G_ref)                          # exponent <= 0
-            k_neg_t = jnp.swapaxes(k_b[..., j, :, :] * jnp.exp(G_ref - G_b[..., j, :, :]), -1, -2)  # <= 0
+            r = (j + 1) * sub - 1
+            G_ref, rows = G_NCK[..., r:r + 1, :], slice(r + 1, None)
+            row_ok = (seg_NC[..., rows] == seg_NC[..., r:r + 1])[..., None]
+            col_ok = (seg_b[..., j, :] == seg_NC[..., r:r + 1])[..., None]
+            row_decay = jnp.where(row_ok, jnp.exp(jnp.where(row_ok, G_NCK[..., rows, :] - G_ref, 0.0)), 0.0)
+            col_decay = jnp.where(col_ok, jnp.exp(jnp.where(col_ok, G_ref - G_b[..., j, :, :], 0.0)), 0.0)
+            k_neg_t = jnp.swapaxes(k_b[..., j, :, :] * col_decay, -1, -2)
             col_qk.append((q_NCK[..., rows, :] * row_decay) @ k_neg_t)
             col_kk.append((k_NCK[..., rows, :] * row_decay) @ k_neg_t)
         cols_qk.append(jnp.concatenate(col_qk, axis=-2))
@@ -113,23 +123,32 @@ def _inverse_bwd(X_CC, dX_CC):
 unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 
-def _intra_chunk(q, k, v, g, beta, same_CC, *, sub: int, safe_gate: bool):
-    """Everything that does not depend on the carried state, for all chunks at once ([.., H, C, *])."""
+def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
+    """Everything that does not depend on the carried state, for all chunks at once ([.., H, C, *]).
+
+    `seg_C` (ids broadcastable to [.., C]) marks segments inside a chunk; None = the chunk is one segment.
+    """
     C = q.shape[-2]
-    G = jnp.cumsum(g, axis=-2)  # chunk-local log-decay, fp32
-    A_qk, A_kk = _decay_products(q, k, G, sub=sub, safe_gate=safe_gate)
-    if same_CC is not None:
-        A_kk = jnp.where(same_CC, A_kk, 0.0)
-        A_qk = jnp.where(same_CC, A_qk, 0.0)
+    if seg_C is None:
+        seg_C = jnp.zeros(q.shape[:-1], jnp.int32)
+        G = jnp.cumsum(g, axis=-2)  # chunk-local log-decay, fp32
+    else:
+        # Segment-local cumsum as a 0/1 matmul: another document's g enters with an exact 0 weight, so its
+        # gradient is exactly zero (a difference of prefix sums only cancels to rounding).
+        same = seg_C[..., :, None] == seg_C[..., None, :]
+        prefix = (same & jnp.tril(jnp.ones((C, C), bool))).astype(jnp.float32)
+        G = jnp.einsum("...ci,...ik->...ck", prefix, g, precision="highest")
+    A_qk, A_kk = _decay_products(q, k, G, seg_C, sub=sub, safe_gate=safe_gate)
     lower = beta[..., :, None] * A_kk
     # Tm = (I + L)^-1 Diag(beta), L strictly lower (block-diagonal per segment).
     t_mat = unit_lower_inverse(lower) * beta[..., None, :]
     w = t_mat @ (jnp.exp(G) * k)
     u = t_mat @ v
     G_last = G[..., -1:, :]
+    in_last = (seg_C == seg_C[..., -1:])[..., None]  # tokens of the chunk's last segment build the outgoing state
     return dict(
         q_decay=q * jnp.exp(G), w=w, u=u, a_qk=A_qk,
-        k_out=jnp.exp(G_last - G) * k,            # exponent <= 0
+        k_out=jnp.where(in_last, jnp.exp(jnp.where(in_last, G_last - G, 0.0)) * k, 0.0),  # exponent <= 0
         decay_last=jnp.exp(G_last[..., 0, :]),   # [.., K]
     )
 
@@ -177,15 +196,12 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
         jnp.moveaxis(xs[4].reshape(B, n_chunks, chunk_size, H), 2, 3)]
 
     ids_BNC = ids.reshape(B, n_chunks, chunk_size)
-    same_BNCC = (ids_BNC[..., :, None] == ids_BNC[..., None, :])[:, :, None]          # [B, N, 1, C, C]
     prev_last = jnp.concatenate([ids_BNC[:, :1, 0], ids_BNC[:, :-1, -1]], axis=1)     # [B, N]
     carry_BNC = ids_BNC == prev_last[..., None]        # token continues the segment the state belongs to
-    last_BNC = ids_BNC == ids_BNC[..., -1:]            # token belongs to the chunk's last segment
-    pre = _intra_chunk(q, k, v, g, beta, same_BNCC, sub=sub_chunk, safe_gate=safe_gate)
+    pre = _intra_chunk(q, k, v, g, beta, ids_BNC[:, :, None], sub=sub_chunk, safe_gate=safe_gate)
     carry = carry_BNC[:, :, None, :, None]
     pre["w"] = pre["w"] * carry
     pre["q_decay"] = pre["q_decay"] * carry
-    pre["k_out"] = pre["k_out"] * last_BNC[:, :, None, :, None]
     keep_BN = carry_BNC[..., -1]                       # the whole chunk continues: carry the decayed state on
 
     def step(state_BHKV, x):

@@ -1,15 +1,17 @@
 """One KDA chunk, forward and backward, written for the body of a Pallas TPU kernel.
 
 Every function here takes and returns in-kernel values (2-D fp32 arrays of one chunk of one head) and
-uses only what Mosaic lowers: 2-D matmuls (`dot_general`, also with a transposed operand), elementwise
-ops, `broadcasted_iota` masks, lane/sublane reductions and `pltpu.roll` along sublanes. No gathers, no
-dynamic indexing, no cumsum primitive, no explicit transposes. Shapes: C tokens (64), K, V head dims.
+uses only what Pallas lowers to Mosaic: 2-D matmuls (`dot_general`, some with a transposed operand, which
+Mosaic receives as matmul dimension numbers), elementwise ops, `broadcasted_iota` masks, lane/sublane
+reductions and `pltpu.roll` along sublanes. No gathers, no dynamic indexing, no cumsum primitive, no
+`.T`. Shapes: C tokens (64), K, V head dims; a [1, N] row becomes an [N, 1] column by `row_to_col`.
 
 Forward of a chunk (REFERENCE.md §1; `chunked.py` has the same math in XLA):
     G   = Tri g                                   chunk-local cumsum as a matmul with lower-triangular ones
     Aqk = P(q, k)[c,i] = sum_d q_cd k_id e^(G_cd - G_id)   (i <= c, same segment)
     Akk = P(k, k)                                          (i <  c, same segment)
-    X   = (I + beta_c Akk)^-1,  Tm = X Diag(beta),  W = Tm (k e^G),  U = Tm v
+    X   = (I + beta_c Akk)^-1 (recursive block doubling, `unit_lower_inverse`)
+    Tm  = X Diag(beta),  W = Tm (k e^G),  U = Tm v
     Vn  = U - Wc S,  O = Qg S + Aqk Vn,  S' = keep e^(G_last) * S + Ko^T Vn
 with the segment masks of `ChunkMasks`: Wc, Qg = carry * (W, q e^G) (rows continuing the carried
 segment), Ko = inlast * k e^(G_last - G) (rows of the chunk's last segment), keep = the whole chunk
@@ -123,7 +125,6 @@ class _SubBlocks(NamedTuple):
     local_row: jax.Array      # int32 [C, 1]: position inside the sub-block
     diff: jax.Array           # int32 [C, C]: row - col
     in_block: list            # bool [C, 1] per sub-block p >= 1: row lies in sub-block p
-    before: list              # bool [C, 1] per sub-block p >= 1: row lies before sub-block p
     to_block: list            # f32 [C, K] per p >= 1: e^(G_n - G) on rows before n = p*SUB (<= 1), else 0
     from_start: jax.Array     # f32 [C, K]: e^(G - G_n(row)), n(row) = first token of the row's sub-block (<= 1)
     to_start: jax.Array | None  # f32 [C, K]: e^(G_n(row) - G) (<= e^75), only with safe_gate
@@ -135,7 +136,7 @@ def _sub_blocks(G, safe_gate: bool):
     if C % SUB:
         raise ValueError(f"chunk size must be a multiple of {SUB}; got {C}")
     row = iota((C, 1), 0)
-    in_block, before, to_block = [], [], []
+    in_block, to_block = [], []
     G_first = jnp.broadcast_to(G[0:1, :], (C, K))
     for p in range(1, C // SUB):
         n = p * SUB
@@ -146,11 +147,10 @@ def _sub_blocks(G, safe_gate: bool):
         # Exponent masked BEFORE exp: on rows at or after n it would be positive (overflow).
         to_block.append(jnp.where(before_p, jnp.exp(jnp.where(before_p, G_n - G, 0.0)), 0.0))
         in_block.append(in_p)
-        before.append(before_p)
     r, c = iota((C, C), 0), iota((C, C), 1)
     same_block = jax.lax.div(r, SUB) == jax.lax.div(c, SUB)
     to_start = jnp.exp(G_first - G) if safe_gate else None   # exponent in [0, 75] when every g >= -5
-    return _SubBlocks(row, jax.lax.rem(row, SUB), r - c, in_block, before, to_block, jnp.exp(G - G_first),
+    return _SubBlocks(row, jax.lax.rem(row, SUB), r - c, in_block, to_block, jnp.exp(G - G_first),
                       to_start, same_block)
 
 
@@ -168,7 +168,7 @@ def decay_products(q, k, G, sb: _SubBlocks):
     q_from, k_from = q * sb.from_start, k * sb.from_start
     A_qk = jnp.zeros((C, C), f32)
     A_kk = jnp.zeros((C, C), f32)
-    for p, (in_p, to_p) in enumerate(zip(sb.in_block, sb.to_block)):
+    for in_p, to_p in zip(sb.in_block, sb.to_block):
         k_to = k * to_p
         A_qk += mm_nt(jnp.where(in_p, q_from, 0.0), k_to)
         A_kk += mm_nt(jnp.where(in_p, k_from, 0.0), k_to)
@@ -192,7 +192,7 @@ def decay_product_grads(dA_qk, dA_kk, q, k, G, sb: _SubBlocks):
     zeros = jnp.zeros((C, K), f32)
     R_q, R_k, RT_k, RT_q = zeros, zeros, zeros, zeros   # R(dAqk,k), R(dAkk,k), R^T(dAkk,k), R^T(dAqk,q)
     q_from, k_from = q * sb.from_start, k * sb.from_start
-    for in_p, before_p, to_p in zip(sb.in_block, sb.before, sb.to_block):
+    for in_p, to_p in zip(sb.in_block, sb.to_block):
         k_to = k * to_p
         R_q += jnp.where(in_p, mm(dA_qk, k_to), 0.0)
         R_k += jnp.where(in_p, mm(dA_kk, k_to), 0.0)
@@ -340,3 +340,77 @@ def chunk_backward(q, k, v, g, beta_row, S, dO, dS_next, masks: ChunkMasks = NO_
     r, c = iota((C, C), 0), iota((C, C), 1)
     dg = mm((c >= r).astype(f32), dG)                           # reverse cumsum: dg_t = sum_{c >= t} dG_c
     return dq, dk, dv, dg, dbeta_row, dS
+
+
+# --- fused prologue: the KDA gate and the q/k L2 norm, applied to a chunk's tiles inside the kernel ----------
+L2NORM_EPS = 1e-6        # FLA's l2norm: x * rsqrt(sum(x^2) + 1e-6)
+PADDING_GATE_RAW = -1e30  # raw gate of padding/filler tokens: both gate forms map it to exactly 0 (no decay)
+
+
+class Fusion(NamedTuple):
+    """Static choice of what the kernel computes from raw inputs (see `gate.py` for the formulas)."""
+    gate: str | None = None     # None: g is the log-decay; "softplus": -a softplus(g + dt); "lower_bound": lb sigmoid(a (g + dt))
+    lower_bound: float = -5.0
+    qk_l2norm: bool = False
+
+
+def l2norm_rows(x):
+    """(x / |x|, 1 / |x|) per row, fp32."""
+    r = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2NORM_EPS)
+    return x * r, r
+
+
+def l2norm_rows_backward(x_n, r, dx_n):
+    """Gradient through x_n = x r, r = (|x|^2 + eps)^-1/2:  dx = r (dx_n - x_n <x_n, dx_n>)."""
+    return r * (dx_n - x_n * jnp.sum(x_n * dx_n, axis=1, keepdims=True))
+
+
+def _softplus(x):
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))  # torch's threshold; clamp keeps exp finite
+
+
+def gate_forward(g_raw, gate_params, fusion: Fusion):
+    """Log-decay [C, K] from the raw gate; gate_params [2, K] = (dt_bias row, a = exp(A_log) broadcast)."""
+    x = g_raw + gate_params[0:1, :]
+    a = gate_params[1:2, :]
+    if fusion.gate == "softplus":
+        return -a * _softplus(x)
+    return fusion.lower_bound * jax.nn.sigmoid(a * x)
+
+
+def gate_backward(g_raw, gate_params, dg, fusion: Fusion):
+    """(dg_raw [C, K], d gate_params [2, K] summed over the chunk's tokens)."""
+    x = g_raw + gate_params[0:1, :]
+    a = gate_params[1:2, :]
+    if fusion.gate == "softplus":
+        dx = -a * dg * jnp.where(x > 20.0, 1.0, jax.nn.sigmoid(x))
+        da = -dg * _softplus(x)
+    else:
+        s = jax.nn.sigmoid(a * x)
+        dz = dg * fusion.lower_bound * s * (1.0 - s)
+        dx, da = dz * a, dz * x          # x is finite (the padding sentinel too), so 0 * x stays 0
+    d_params = jnp.where(iota((2, 1), 0) == 0, jnp.sum(dx, axis=0, keepdims=True), jnp.sum(da, axis=0, keepdims=True))
+    return dx, d_params
+
+
+def prologue(q, k, g, gate_params, fusion: Fusion):
+    """Kernel inputs -> the chunk math's (q, k, g), plus what `prologue_backward` needs."""
+    saved = {}
+    if fusion.qk_l2norm:
+        q, saved["rq"] = l2norm_rows(q)
+        k, saved["rk"] = l2norm_rows(k)
+    if fusion.gate is not None:
+        saved["g_raw"] = g
+        g = gate_forward(g, gate_params, fusion)
+    return q, k, g, saved
+
+
+def prologue_backward(q, k, dq, dk, dg, gate_params, saved, fusion: Fusion):
+    """Chain the chunk gradients through the prologue; q, k are the prologue's outputs (normalised)."""
+    d_params = None
+    if fusion.qk_l2norm:
+        dq = l2norm_rows_backward(q, saved["rq"], dq)
+        dk = l2norm_rows_backward(k, saved["rk"], dk)
+    if fusion.gate is not None:
+        dg, d_params = gate_backward(saved["g_raw"], gate_params, dg, fusion)
+    return dq, dk, dg, d_params

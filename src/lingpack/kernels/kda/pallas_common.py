@@ -7,14 +7,20 @@ dynamic indexing). A `[C, 1]` column layout would pad every token to 128 lanes i
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from lingpack.kernels.kda import pallas_chunk as chunk
 from lingpack.kernels.kda.pallas_chunk import iota
+
+f32 = jnp.float32
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -48,10 +54,10 @@ def set_table_row(table_ref, n, row):
                                table_ref[...])
 
 
-def to_heads(x_BTHK, n_pad: int):
-    """[B, T, H, K] -> [B, H, T + n_pad, K] (zero tail): the kernels' layout, one (C, K) tile per chunk."""
+def to_heads(x_BTHK, n_pad: int, fill: float = 0.0):
+    """[B, T, H, K] -> [B, H, T + n_pad, K] (tail = fill): the kernels' layout, one (C, K) tile per chunk."""
     x = jnp.moveaxis(x_BTHK, 2, 1)
-    return jnp.pad(x, [(0, 0), (0, 0), (0, n_pad), (0, 0)]) if n_pad else x
+    return jnp.pad(x, [(0, 0), (0, 0), (0, n_pad), (0, 0)], constant_values=fill) if n_pad else x
 
 
 def from_heads(x_BHTV, T: int):
@@ -65,3 +71,105 @@ def check_head_dims(K: int, V: int, chunk_size: int) -> None:
         if d % 8:
             raise ValueError(f"Pallas KDA kernels need the {name} head dim to be a multiple of 8 (64 or 128 on TPU);"
                              f" got {d}")
+
+
+class Tiles:
+    """One chunk's tiles loaded from their refs (fp32), passed through the fused prologue (L2 norm, gate)."""
+
+    def __init__(self, q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion: chunk.Fusion):
+        self.scale, self.fusion = scale, fusion
+        self.gate_params = gate_ref[...] if gate_ref is not None else None
+        q, k, g, self.saved = chunk.prologue(q_ref[...].astype(f32), k_ref[...].astype(f32), g_ref[...].astype(f32),
+                                             self.gate_params, fusion)
+        self.q, self.k = q, k
+        self.inputs = (q * scale, k, v_ref[...].astype(f32), g, table_row(beta_ref[...].astype(f32), n))
+
+    def backward(self, dq_scaled, dk, dv, dg, dbeta_row, dS):
+        """Chunk gradients -> gradients of the kernel inputs, plus the gate-parameter partial sums (or None)."""
+        dq, dk, dg, d_gate = chunk.prologue_backward(self.q, self.k, dq_scaled * self.scale, dk, dg,
+                                                     self.gate_params, self.saved, self.fusion)
+        return dq, dk, dv, dg, dbeta_row, dS, d_gate
+
+
+def load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion) -> Tiles:
+    return Tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
+
+
+def fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel, safe_gate):
+    """(Fusion, gate table [H, 2, K] = (dt_bias, exp(A_log)) fp32, safe_gate) for the kernels' prologue."""
+    if not use_gate_in_kernel:
+        return chunk.Fusion(qk_l2norm=bool(use_qk_l2norm_in_kernel)), jnp.zeros((H, 2, K), f32), safe_gate
+    if lower_bound is None and A_log is None:
+        raise ValueError("the softplus gate needs A_log; pass A_log or set lower_bound for the safe gate")
+    if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
+        raise ValueError(f"lower_bound must lie in [-5, 0); got {lower_bound}")
+    if dt_bias is not None and dt_bias.size != H * K:
+        raise ValueError(f"dt_bias must have H*K = {H * K} elements (head-major [H, K]); got shape {dt_bias.shape}")
+    if A_log is not None and A_log.size != H:
+        raise ValueError(f"A_log must have one value per head (H={H}); got shape {A_log.shape}")
+    dt = jnp.zeros((H, K), f32) if dt_bias is None else dt_bias.reshape(H, K).astype(f32)
+    a = jnp.ones((H,), f32) if A_log is None else jnp.exp(A_log.reshape(H).astype(f32))
+    table = jnp.stack([dt, jnp.broadcast_to(a[:, None], (H, K))], axis=1)
+    fusion = chunk.Fusion(gate="softplus" if lower_bound is None else "lower_bound",
+                          lower_bound=-5.0 if lower_bound is None else float(lower_bound),
+                          qk_l2norm=bool(use_qk_l2norm_in_kernel))
+    # The lower-bound gate keeps g >= lower_bound >= -5: the sub-block factoring cannot overflow.
+    return fusion, table, bool(safe_gate) or lower_bound is not None
+
+
+# --- cost of one grid step, counted from the chunk math's own jaxpr --------------------------------------
+TRANSCENDENTAL = {"exp", "exp2", "log", "log1p", "logistic", "rsqrt", "tanh", "sqrt"}
+NOT_COMPUTE = {"get", "swap", "addupdate", "program_id", "num_programs"}   # VMEM loads/stores, grid queries
+
+
+def jaxpr_cost(jaxpr) -> dict:
+    """{'mxu_flops', 'vpu_ops', 'transcendentals'} of a jaxpr: 2*M*N*K per dot_general, one op per output
+    element of every other array-valued equation; cond branches count their most expensive branch."""
+    cost = {"mxu_flops": 0, "vpu_ops": 0, "transcendentals": 0}
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = [p.jaxpr if hasattr(p, "jaxpr") else p for p in eqn.params.values()
+                if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]
+        branches = eqn.params.get("branches")
+        if name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs_shape = eqn.invars[0].aval.shape
+            cost["mxu_flops"] += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs_shape[d] for d in lhs_contract)
+        elif branches:
+            costs = [jaxpr_cost(b.jaxpr) for b in branches]
+            for key in cost:
+                cost[key] += max(c[key] for c in costs)
+        elif subs:
+            for sub in subs:
+                for key, value in jaxpr_cost(sub).items():
+                    cost[key] += value
+        elif name not in NOT_COMPUTE:
+            size = sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+            cost["transcendentals" if name in TRANSCENDENTAL else "vpu_ops"] += size
+    return cost
+
+
+@functools.lru_cache(maxsize=None)
+def step_cost(kind: str, C: int, K: int, V: int, safe_gate: bool, masked: bool, fusion: chunk.Fusion) -> dict:
+    """Cost of one grid step of a `kind` in {forward, states, backward} kernel, from the traced chunk math."""
+    t = lambda *shape: jax.ShapeDtypeStruct(shape, f32)
+
+    def step(q, k, v, g, beta_row, S, dO, dS, gate_params, ids_row, prev_last):
+        masks = chunk.segment_masks(ids_row, prev_last) if masked else chunk.NO_MASKS
+        qn, kn, g, saved = chunk.prologue(q, k, g, gate_params, fusion)
+        if kind != "backward":
+            return chunk.chunk_forward(qn, kn, v, g, beta_row, S, masks, safe_gate)
+        grads = chunk.chunk_backward(qn, kn, v, g, beta_row, S, dO, dS, masks, safe_gate)
+        return chunk.prologue_backward(qn, kn, grads[0], grads[1], grads[3], gate_params, saved, fusion), grads
+    jaxpr = jax.make_jaxpr(step)(t(C, K), t(C, K), t(C, V), t(C, K), t(1, C), t(K, V), t(C, V), t(K, V), t(2, K),
+                                 t(1, C), t(1, 1))
+    return jaxpr_cost(jaxpr.jaxpr)
+
+
+def cost_estimate(kind, steps, C, K, V, safe_gate, masked, fusion, args, out_shapes) -> pl.CostEstimate:
+    """What XLA's scheduler is told about a kernel: per-step cost x grid steps, every operand moved once."""
+    c = step_cost(kind, C, K, V, bool(safe_gate), masked, fusion)
+    nbytes = lambda x: math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+    moved = sum(nbytes(x) for x in args) + sum(nbytes(x) for x in jax.tree.leaves(out_shapes))
+    return pl.CostEstimate(flops=int(steps * (c["mxu_flops"] + c["vpu_ops"])),
+                           transcendentals=int(steps * c["transcendentals"]), bytes_accessed=int(moved))

@@ -27,27 +27,26 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lingpack.kernels.kda import api, segments
 from lingpack.kernels.kda import pallas_chunk as chunk
-from lingpack.kernels.kda.pallas_common import (check_head_dims, compiler_params, from_heads, resolve_interpret,
-                                                set_table_row, table_row, to_heads)
+from lingpack.kernels.kda.pallas_common import (check_head_dims, compiler_params, cost_estimate, from_heads,
+                                                fusion_inputs, load_tiles, resolve_interpret, set_table_row,
+                                                table_row, to_heads)
 
 f32 = jnp.float32
 SEMANTICS = ("parallel", "parallel", "arbitrary")
 
 
-def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, n, scale):
-    """Load chunk n: fp32 tiles (q scaled), beta row [1, C] and the segment masks."""
+def _segment_masks(ids_ref, n):
     ids = ids_ref[...].astype(f32)  # ids < 2^24 are exact in fp32, and fp32 reductions lower everywhere
     ids_row = table_row(ids, n)
     prev_row = table_row(ids, jnp.maximum(n - 1, 0))
     # The state entering chunk 0 belongs to the row's first segment; later, to the previous chunk's last one.
     prev_last = jnp.where(n == 0, jnp.min(ids_row, axis=1, keepdims=True), jnp.max(prev_row, axis=1, keepdims=True))
-    masks = chunk.segment_masks(ids_row, prev_last)
-    tiles = (q_ref[...].astype(f32) * scale, k_ref[...].astype(f32), v_ref[...].astype(f32), g_ref[...].astype(f32),
-             table_row(beta_ref[...].astype(f32), n))
-    return tiles, masks
+    return chunk.segment_masks(ids_row, prev_last)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, h0_ref, *refs, scale, safe_gate, emit_states):
+def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, h0_ref, *refs, scale, safe_gate, fusion,
+                    emit_states):
+    gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
     if emit_states:
         states_ref, state_scr = refs
     else:
@@ -59,8 +58,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, h0_ref, *refs
         state_scr[...] = h0_ref[...].astype(f32)
 
     S = state_scr[...]
-    tiles, masks = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, n, scale)
-    o, S_next = chunk.chunk_forward(*tiles, S, masks, safe_gate)
+    tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
+    o, S_next = chunk.chunk_forward(*tiles.inputs, S, _segment_masks(ids_ref, n), safe_gate)
     state_scr[...] = S_next
     if emit_states:
         states_ref[...] = S
@@ -72,8 +71,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, h0_ref, *refs
             final_ref[...] = S_next
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, states_ref, do_ref, dfinal_ref,
-                     dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, dstate_scr, *, scale, safe_gate):
+def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, states_ref, do_ref, dfinal_ref, *refs, scale,
+                     safe_gate, fusion):
+    gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
+    dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, *refs = refs
+    dgate_ref, dstate_scr = refs if fusion.gate else (None, refs[0])
     step = pl.program_id(2)
     n_chunks = pl.num_programs(2)
     n = n_chunks - 1 - step  # chunks in reverse
@@ -82,16 +84,21 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, states_ref, 
     def _():
         dstate_scr[...] = dfinal_ref[...]
         dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, dbeta_ref.dtype)
+        if dgate_ref is not None:
+            dgate_ref[...] = jnp.zeros(dgate_ref.shape, dgate_ref.dtype)
 
-    tiles, masks = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, n, scale)
-    dq, dk, dv, dg, dbeta_row, dS = chunk.chunk_backward(*tiles, states_ref[...], do_ref[...].astype(f32),
-                                                         dstate_scr[...], masks, safe_gate)
+    tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
+    grads = chunk.chunk_backward(*tiles.inputs, states_ref[...], do_ref[...].astype(f32), dstate_scr[...],
+                                 _segment_masks(ids_ref, n), safe_gate)
+    dq, dk, dv, dg, dbeta_row, dS, d_gate = tiles.backward(*grads)
     dstate_scr[...] = dS
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     dg_ref[...] = dg.astype(dg_ref.dtype)
     set_table_row(dbeta_ref, n, dbeta_row)
+    if dgate_ref is not None:
+        dgate_ref[...] += d_gate
 
     @pl.when(step == n_chunks - 1)
     def _():
@@ -108,10 +115,12 @@ def _specs(B, H, NT, C, K, V, reverse=False):
         ids=pl.BlockSpec((None, NT, C), lambda b, h, n: (b, 0, 0)),
         state=pl.BlockSpec((None, None, K, V), lambda b, h, n: (b, h, 0, 0)),
         per_chunk_state=pl.BlockSpec((None, None, None, K, V), lambda b, h, n: (b, h, chunk_of(n), 0, 0)),
+        gate=pl.BlockSpec((None, 2, K), lambda b, h, n: (h, 0, 0)),
+        gate_grad=pl.BlockSpec((None, None, 2, K), lambda b, h, n: (b, h, 0, 0)),
     )
 
 
-def _forward_call(q, k, v, g, beta_tab, ids_tab, h0, *, scale, safe_gate, interpret, emit_states):
+def _forward_call(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, *, scale, safe_gate, fusion, interpret, emit_states):
     B, H, Tp, K = q.shape
     V = v.shape[-1]
     NT = beta_tab.shape[2]
@@ -123,75 +132,92 @@ def _forward_call(q, k, v, g, beta_tab, ids_tab, h0, *, scale, safe_gate, interp
     else:
         out_shape = (jax.ShapeDtypeStruct((B, H, Tp, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), f32))
         out_specs = (s["tile"](V), s["state"])
+    in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["ids"], s["state"]]
+    args = [q, k, v, g, beta_tab, ids_tab, h0]
+    if fusion.gate:
+        in_specs.append(s["gate"])
+        args.append(gate_tab)
+    name = "kda_segment_states" if emit_states else "kda_segment_fwd"
     return pl.pallas_call(
-        functools.partial(_forward_kernel, scale=scale, safe_gate=safe_gate, emit_states=emit_states),
-        grid=(B, H, NT),
-        in_specs=[s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["ids"], s["state"]],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((K, V), f32)],
-        compiler_params=compiler_params(*SEMANTICS),
-        interpret=interpret,
-        name="kda_segment_states" if emit_states else "kda_segment_fwd",
-    )(q, k, v, g, beta_tab, ids_tab, h0)
+        functools.partial(_forward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion, emit_states=emit_states),
+        grid=(B, H, NT), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((K, V), f32)], compiler_params=compiler_params(*SEMANTICS),
+        cost_estimate=cost_estimate("states" if emit_states else "forward", B * H * NT, C, K, V, safe_gate, True,
+                                    fusion, args, out_shape),
+        interpret=interpret, name=name,
+    )(*args)
 
 
-def _backward_call(q, k, v, g, beta_tab, ids_tab, states, do, dfinal, *, scale, safe_gate, interpret):
+def _backward_call(q, k, v, g, beta_tab, ids_tab, states, do, dfinal, gate_tab, *, scale, safe_gate, fusion,
+                   interpret):
     B, H, Tp, K = q.shape
     V = v.shape[-1]
     NT = beta_tab.shape[2]
     C = Tp // NT
     s = _specs(B, H, NT, C, K, V, reverse=True)
-    out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
-                 jax.ShapeDtypeStruct(beta_tab.shape, f32), jax.ShapeDtypeStruct((B, H, K, V), f32))
+                 jax.ShapeDtypeStruct(beta_tab.shape, f32), jax.ShapeDtypeStruct((B, H, K, V), f32)]
+    out_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["state"]]
+    in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["ids"], s["per_chunk_state"],
+                s["tile"](V), s["state"]]
+    args = [q, k, v, g, beta_tab, ids_tab, states, do, dfinal]
+    if fusion.gate:
+        in_specs.append(s["gate"])
+        args.append(gate_tab)
+        out_specs.append(s["gate_grad"])
+        out_shape.append(jax.ShapeDtypeStruct((B, H, 2, K), f32))
     return pl.pallas_call(
-        functools.partial(_backward_kernel, scale=scale, safe_gate=safe_gate),
-        grid=(B, H, NT),
-        in_specs=[s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["ids"],
-                  s["per_chunk_state"], s["tile"](V), s["state"]],
-        out_specs=(s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["state"]),
-        out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((K, V), f32)],
-        compiler_params=compiler_params(*SEMANTICS),
-        interpret=interpret,
-        name="kda_segment_bwd",
-    )(q, k, v, g, beta_tab, ids_tab, states, do, dfinal)
+        functools.partial(_backward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion),
+        grid=(B, H, NT), in_specs=in_specs, out_specs=tuple(out_specs), out_shape=tuple(out_shape),
+        scratch_shapes=[pltpu.VMEM((K, V), f32)], compiler_params=compiler_params(*SEMANTICS),
+        cost_estimate=cost_estimate("backward", B * H * NT, C, K, V, safe_gate, True, fusion, args, out_shape),
+        interpret=interpret, name="kda_segment_bwd",
+    )(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def segment_core(q, k, v, g, beta_tab, ids_tab, h0, scale, safe_gate, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def segment_core(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, scale, safe_gate, fusion, interpret):
     """Kernel layout in and out: q, k, g [B, H, Tp, K], v [B, H, Tp, V], beta_tab [B, H, NT, C] fp32,
-    ids_tab [B, NT, C] int32 (padding filled), h0 [B, H, K, V] fp32 -> (o [B, H, Tp, V], final fp32)."""
-    return _forward_call(q, k, v, g, beta_tab, ids_tab, h0, scale=scale, safe_gate=safe_gate, interpret=interpret,
-                         emit_states=False)
+    ids_tab [B, NT, C] int32 (padding filled), h0 [B, H, K, V] fp32, gate_tab [H, 2, K] fp32 (used with a
+    fused gate) -> (o [B, H, Tp, V], final [B, H, K, V] fp32)."""
+    return _forward_call(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, scale=scale, safe_gate=safe_gate, fusion=fusion,
+                         interpret=interpret, emit_states=False)
 
 
-def _core_fwd(q, k, v, g, beta_tab, ids_tab, h0, scale, safe_gate, interpret):
-    out = segment_core(q, k, v, g, beta_tab, ids_tab, h0, scale, safe_gate, interpret)
-    return out, (q, k, v, g, beta_tab, ids_tab, h0)
+def _core_fwd(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, scale, safe_gate, fusion, interpret):
+    out = segment_core(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, scale, safe_gate, fusion, interpret)
+    return out, (q, k, v, g, beta_tab, ids_tab, h0, gate_tab)
 
 
-def _core_bwd(scale, safe_gate, interpret, residuals, cotangents):
-    q, k, v, g, beta_tab, ids_tab, h0 = residuals
+def _core_bwd(scale, safe_gate, fusion, interpret, residuals, cotangents):
+    q, k, v, g, beta_tab, ids_tab, h0, gate_tab = residuals
     do, dfinal = cotangents
-    static = dict(scale=scale, safe_gate=safe_gate, interpret=interpret)
-    states = _forward_call(q, k, v, g, beta_tab, ids_tab, h0, emit_states=True, **static)
-    dq, dk, dv, dg, dbeta, dh0 = _backward_call(q, k, v, g, beta_tab, ids_tab, states, do.astype(v.dtype),
-                                                dfinal.astype(f32), **static)
-    return dq, dk, dv, dg, dbeta, None, dh0.astype(h0.dtype)
+    static = dict(scale=scale, safe_gate=safe_gate, fusion=fusion, interpret=interpret)
+    states = _forward_call(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, emit_states=True, **static)
+    dq, dk, dv, dg, dbeta, dh0, *dgate = _backward_call(q, k, v, g, beta_tab, ids_tab, states, do.astype(v.dtype),
+                                                        dfinal.astype(f32), gate_tab, **static)
+    dgate_tab = jnp.sum(dgate[0], axis=0) if dgate else jnp.zeros_like(gate_tab)   # per-row partial sums
+    return dq, dk, dv, dg, dbeta, None, dh0.astype(h0.dtype), dgate_tab
 
 
 segment_core.defvjp(_core_fwd, _core_bwd)
 
 
 def pallas_segment_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale, initial_state_BHKV,
-                       chunk_size=64, safe_gate=False, interpret=None):
-    """`api.chunk_kda(impl="pallas_segment")`: same arguments and semantics as `chunked.chunked_segment_native`."""
+                       chunk_size=64, safe_gate=False, interpret=None, use_gate_in_kernel=False, A_log=None,
+                       dt_bias=None, lower_bound=None, use_qk_l2norm_in_kernel=False):
+    """`api.chunk_kda(impl="pallas_segment")`: same arguments and semantics as `chunked.chunked_segment_native`.
+
+    With `use_gate_in_kernel` (g holds the raw gate; `A_log`, `dt_bias`, `lower_bound` as in `gate.kda_gate`)
+    and/or `use_qk_l2norm_in_kernel`, the gate and the L2 norm are computed inside the kernels.
+    """
     interpret = resolve_interpret(interpret)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
     check_head_dims(K, V, chunk_size)
+    fusion, gate_tab, safe_gate = fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                                                use_qk_l2norm_in_kernel, safe_gate)
     NT = -(-T // chunk_size)
     pad = NT * chunk_size - T
     real = segment_ids_BT != 0
@@ -199,12 +225,13 @@ def pallas_segment_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_
     # that segment: the final state is the state after the row's last real token.
     ids = segments.fill_padding_ids(segment_ids_BT.astype(jnp.int32))
     ids_tab = jnp.pad(ids, [(0, 0), (0, pad)], mode="edge").reshape(B, NT, chunk_size)
-    zero_pad = lambda x: jnp.where(real[..., None, None], x, jnp.zeros((), x.dtype))
-    q, k, v, g = [to_heads(zero_pad(x), pad) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK)]
+    no_op = lambda x, fill=0.0: to_heads(jnp.where(real[..., None, None], x, jnp.asarray(fill, x.dtype)), pad, fill)
+    q, k, v = [no_op(x) for x in (q_BTHK, k_BTHK, v_BTHV)]
+    g = no_op(g_BTHK, chunk.PADDING_GATE_RAW if fusion.gate else 0.0)
     beta = jnp.where(real[..., None], beta_BTH.astype(f32), 0.0)   # beta stays fp32 (the erase strength)
     beta_tab = jnp.pad(jnp.moveaxis(beta, 2, 1), [(0, 0), (0, 0), (0, pad)]).reshape(B, H, NT, chunk_size)
-    o, final = segment_core(q, k, v, g, beta_tab, ids_tab, initial_state_BHKV.astype(f32), float(scale),
-                            bool(safe_gate), interpret)
+    o, final = segment_core(q, k, v, g, beta_tab, ids_tab, initial_state_BHKV.astype(f32), gate_tab, float(scale),
+                            bool(safe_gate), fusion, interpret)
     return jnp.where(real[..., None, None], from_heads(o, T), 0), final
 
 

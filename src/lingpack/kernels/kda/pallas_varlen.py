@@ -4,14 +4,15 @@ The batch `[B, T]` is flattened and described by `cu_seqlens` padded to `max_seg
 segments have zero length); `segments.align_plan` places every segment at a chunk boundary of a static
 buffer of `T_new = segments.aligned_length(B*T, max_segs, C)` tokens, so no chunk holds two segments.
 Per-chunk metadata goes to SMEM as scalar prefetch:
-  slot[n]   the cu_seqlens slot (segment) chunk n belongs to; `max_segs` (a dummy slot) for the
-            all-filler chunks after the last segment;
-  flags[n]  FIRST: the chunk starts its slot (the state is reset to that slot's initial state, which
-            the index_map of `h0_slots` fetches); LAST: the chunk ends its slot (its state is the slot's
-            final state, written through the index_map of `final_slots`).
-Initial and final states are per slot `[max_segs + 1, H, K, V]` like FLA's varlen API; the wrapper maps
-a row's initial state to the slot of the row's first segment and reads each row's final state from the
-slot of its last segment.
+  slot[n]      the cu_seqlens slot (segment) chunk n belongs to; `max_segs` (a dummy slot) for the
+               all-filler chunks after the last segment;
+  flags[n]     FIRST: the chunk starts its slot, so the state is reset; LAST: the chunk ends its slot,
+               so its state is the slot's final state;
+  init_row[n]  the row whose initial state a reset starts from (the slot is its row's first segment),
+               else B: block B of `h0_rows` is zeros. Consecutive chunks share the index, so the
+               pipeline fetches an initial state only where it changes (per row, not per segment).
+Final states are per slot `[max_segs + 1, H, K, V]` (FLA's varlen output), written through the
+index_map `slot[n]`; the wrapper reads each row's final state from the slot of its last segment.
 
 Kernels (layout `[H, T_new, K]`, grid `(H, NT)`, NT sequential) mirror `pallas_segment`: forward
 (o + final slot states), states (state entering every chunk, for the backward), backward (reverse
@@ -31,8 +32,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lingpack.kernels.kda import api, segments
 from lingpack.kernels.kda import pallas_chunk as chunk
-from lingpack.kernels.kda.pallas_common import (check_head_dims, compiler_params, resolve_interpret, set_table_row,
-                                                table_row)
+from lingpack.kernels.kda.pallas_common import (check_head_dims, compiler_params, cost_estimate, fusion_inputs,
+                                                load_tiles, resolve_interpret, set_table_row)
 
 f32 = jnp.float32
 FIRST, LAST = 1, 2
@@ -40,12 +41,15 @@ SEMANTICS = ("parallel", "arbitrary")
 
 
 class ChunkTables(NamedTuple):
-    slot: jax.Array    # int32 [NT]
-    flags: jax.Array   # int32 [NT]
+    slot: jax.Array       # int32 [NT]
+    flags: jax.Array      # int32 [NT]
+    init_row: jax.Array   # int32 [NT]
 
 
-def chunk_tables(cu_seqlens, n_chunks: int, chunk_size: int) -> ChunkTables:
-    """Per-chunk slot and FIRST/LAST flags of the aligned layout (the placement of `segments.align_plan`)."""
+def chunk_tables(cu_seqlens, slot_init_row, n_rows: int, n_chunks: int, chunk_size: int) -> ChunkTables:
+    """Per-chunk slot, FIRST/LAST flags and initial-state row of the aligned layout (`segments.align_plan`'s
+    placement); `slot_init_row` [max_segs] is each slot's row if it is the row's first segment, else
+    n_rows (the zero block), which the trailing filler chunks also use."""
     max_segs = cu_seqlens.shape[0] - 1
     span = cu_seqlens[1:] - cu_seqlens[:-1]
     span_chunks = (span + chunk_size - 1) // chunk_size
@@ -57,17 +61,14 @@ def chunk_tables(cu_seqlens, n_chunks: int, chunk_size: int) -> ChunkTables:
     is_first = (in_use & (chunk_index == first[slot])) | (chunk_index == 0)
     is_last = in_use & (chunk_index == first[slot] + span_chunks[slot] - 1)
     return ChunkTables(jnp.where(in_use, slot, max_segs).astype(jnp.int32),
-                       (is_first * FIRST + is_last * LAST).astype(jnp.int32))
+                       (is_first * FIRST + is_last * LAST).astype(jnp.int32),
+                       jnp.where(in_use, slot_init_row[slot], n_rows).astype(jnp.int32))
 
 
-def _tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, n, scale):
-    return (q_ref[...].astype(f32) * scale, k_ref[...].astype(f32), v_ref[...].astype(f32), g_ref[...].astype(f32),
-            table_row(beta_ref[...].astype(f32), n))
-
-
-def _forward_kernel(slot_ref, flags_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, *refs, scale, safe_gate,
-                    emit_states):
-    del slot_ref  # used by the index_maps only
+def _forward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, *refs, scale,
+                    safe_gate, fusion, emit_states):
+    del slot_ref, init_row_ref  # used by the index_maps only
+    gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
     if emit_states:
         states_ref, state_scr = refs
     else:
@@ -79,8 +80,8 @@ def _forward_kernel(slot_ref, flags_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h
         state_scr[...] = h0_ref[...]
 
     S = state_scr[...]
-    o, S_next = chunk.chunk_forward(*_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, n, scale), S, chunk.NO_MASKS,
-                                    safe_gate)
+    tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
+    o, S_next = chunk.chunk_forward(*tiles.inputs, S, chunk.NO_MASKS, safe_gate)
     state_scr[...] = S_next
     if emit_states:
         states_ref[...] = S
@@ -89,9 +90,12 @@ def _forward_kernel(slot_ref, flags_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h
         final_ref[...] = S_next   # the block of this chunk's slot; the slot's last chunk writes last
 
 
-def _backward_kernel(slot_ref, flags_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, states_ref, do_ref, dfinal_ref,
-                     dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, dstate_scr, *, scale, safe_gate):
-    del slot_ref
+def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, states_ref, do_ref,
+                     dfinal_ref, *refs, scale, safe_gate, fusion):
+    del slot_ref, init_row_ref
+    gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
+    dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, *refs = refs
+    dgate_ref, dstate_scr = refs if fusion.gate else (None, refs[0])
     step = pl.program_id(1)
     n = pl.num_programs(1) - 1 - step  # chunks in reverse
     flags = flags_ref[n]
@@ -100,21 +104,26 @@ def _backward_kernel(slot_ref, flags_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
     def _():
         dstate_scr[...] = jnp.zeros(dstate_scr.shape, f32)
         dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, dbeta_ref.dtype)
+        if dgate_ref is not None:
+            dgate_ref[...] = jnp.zeros(dgate_ref.shape, dgate_ref.dtype)
 
     is_last = ((flags & LAST) != 0).astype(f32)
     dS_next = dstate_scr[...] + is_last * dfinal_ref[...]
-    dq, dk, dv, dg, dbeta_row, dS = chunk.chunk_backward(
-        *_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, n, scale), states_ref[...], do_ref[...].astype(f32), dS_next,
-        chunk.NO_MASKS, safe_gate)
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
+    grads = chunk.chunk_backward(*tiles.inputs, states_ref[...], do_ref[...].astype(f32), dS_next, chunk.NO_MASKS,
+                                 safe_gate)
+    dq, dk, dv, dg, dbeta_row, dS, d_gate = tiles.backward(*grads)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     dg_ref[...] = dg.astype(dg_ref.dtype)
     set_table_row(dbeta_ref, n, dbeta_row)
+    if dgate_ref is not None:
+        dgate_ref[...] += d_gate
     is_first = (flags & FIRST) != 0
 
     @pl.when(is_first)
-    def _():   # the slot's initial state fed this chunk: its gradient ends here, nothing flows further back
+    def _():   # the initial state fed this chunk: its gradient ends here (block B collects the zero states')
         dh0_ref[...] = dS
         dstate_scr[...] = jnp.zeros(dstate_scr.shape, f32)
 
@@ -126,121 +135,165 @@ def _backward_kernel(slot_ref, flags_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
 def _specs(H, NT, C, K, V, reverse=False):
     chunk_of = (lambda n: NT - 1 - n) if reverse else (lambda n: n)
     return dict(
-        tile=lambda d: pl.BlockSpec((None, C, d), lambda h, n, slot, flags: (h, chunk_of(n), 0)),
-        beta=pl.BlockSpec((None, NT, C), lambda h, n, slot, flags: (h, 0, 0)),
-        slot_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, flags: (slot[chunk_of(n)], h, 0, 0)),
-        per_chunk_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, flags: (h, chunk_of(n), 0, 0)),
+        tile=lambda d: pl.BlockSpec((None, C, d), lambda h, n, *_: (h, chunk_of(n), 0)),
+        beta=pl.BlockSpec((None, NT, C), lambda h, n, *_: (h, 0, 0)),
+        slot_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, *_: (slot[chunk_of(n)], h, 0, 0)),
+        row_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, flags, row: (row[chunk_of(n)], h, 0, 0)),
+        per_chunk_state=pl.BlockSpec((None, None, K, V), lambda h, n, *_: (h, chunk_of(n), 0, 0)),
+        gate=pl.BlockSpec((None, 2, K), lambda h, n, *_: (h, 0, 0)),
     )
 
 
-def _forward_call(q, k, v, g, beta_tab, tables, h0_slots, *, scale, safe_gate, interpret, emit_states):
+def _forward_call(q, k, v, g, beta_tab, tables, h0_rows, gate_tab, n_slots, *, scale, safe_gate, fusion, interpret,
+                  emit_states):
     H, T_new, K = q.shape
     V = v.shape[-1]
     NT = beta_tab.shape[1]
-    s = _specs(H, NT, T_new // NT, K, V)
+    C = T_new // NT
+    s = _specs(H, NT, C, K, V)
     if emit_states:
         out_shape, out_specs = jax.ShapeDtypeStruct((H, NT, K, V), f32), s["per_chunk_state"]
     else:
-        out_shape = (jax.ShapeDtypeStruct((H, T_new, V), v.dtype), jax.ShapeDtypeStruct(h0_slots.shape, f32))
+        out_shape = (jax.ShapeDtypeStruct((H, T_new, V), v.dtype), jax.ShapeDtypeStruct((n_slots, H, K, V), f32))
         out_specs = (s["tile"](V), s["slot_state"])
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(H, NT),
-        in_specs=[s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["slot_state"]],
-        out_specs=out_specs, scratch_shapes=[pltpu.VMEM((K, V), f32)])
+    in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["row_state"]]
+    args = [q, k, v, g, beta_tab, h0_rows]
+    if fusion.gate:
+        in_specs.append(s["gate"])
+        args.append(gate_tab)
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=(H, NT), in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=[pltpu.VMEM((K, V), f32)])
     return pl.pallas_call(
-        functools.partial(_forward_kernel, scale=scale, safe_gate=safe_gate, emit_states=emit_states),
-        grid_spec=grid_spec, out_shape=out_shape, compiler_params=compiler_params(*SEMANTICS), interpret=interpret,
-        name="kda_varlen_states" if emit_states else "kda_varlen_fwd",
-    )(tables.slot, tables.flags, q, k, v, g, beta_tab, h0_slots)
+        functools.partial(_forward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion, emit_states=emit_states),
+        grid_spec=grid_spec, out_shape=out_shape, compiler_params=compiler_params(*SEMANTICS),
+        cost_estimate=cost_estimate("states" if emit_states else "forward", H * NT, C, K, V, safe_gate, False,
+                                    fusion, args, out_shape),
+        interpret=interpret, name="kda_varlen_states" if emit_states else "kda_varlen_fwd",
+    )(*tables, *args)
 
 
-def _backward_call(q, k, v, g, beta_tab, tables, states, do, dfinal_slots, *, scale, safe_gate, interpret):
+def _backward_call(q, k, v, g, beta_tab, tables, states, do, dfinal_slots, gate_tab, n_rows, *, scale, safe_gate,
+                   fusion, interpret):
     H, T_new, K = q.shape
     V = v.shape[-1]
     NT = beta_tab.shape[1]
-    s = _specs(H, NT, T_new // NT, K, V, reverse=True)
-    out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+    C = T_new // NT
+    s = _specs(H, NT, C, K, V, reverse=True)
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
-                 jax.ShapeDtypeStruct(beta_tab.shape, f32), jax.ShapeDtypeStruct(dfinal_slots.shape, f32))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(H, NT),
-        in_specs=[s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["per_chunk_state"],
-                  s["tile"](V), s["slot_state"]],
-        out_specs=(s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["slot_state"]),
-        scratch_shapes=[pltpu.VMEM((K, V), f32)])
+                 jax.ShapeDtypeStruct(beta_tab.shape, f32), jax.ShapeDtypeStruct((n_rows, H, K, V), f32)]
+    out_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["row_state"]]
+    in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["per_chunk_state"], s["tile"](V),
+                s["slot_state"]]
+    args = [q, k, v, g, beta_tab, states, do, dfinal_slots]
+    if fusion.gate:
+        in_specs.append(s["gate"])
+        args.append(gate_tab)
+        out_specs.append(s["gate"])
+        out_shape.append(jax.ShapeDtypeStruct(gate_tab.shape, f32))
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=(H, NT), in_specs=in_specs,
+                                             out_specs=tuple(out_specs), scratch_shapes=[pltpu.VMEM((K, V), f32)])
     return pl.pallas_call(
-        functools.partial(_backward_kernel, scale=scale, safe_gate=safe_gate),
-        grid_spec=grid_spec, out_shape=out_shape, compiler_params=compiler_params(*SEMANTICS), interpret=interpret,
-        name="kda_varlen_bwd",
-    )(tables.slot, tables.flags, q, k, v, g, beta_tab, states, do, dfinal_slots)
+        functools.partial(_backward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion),
+        grid_spec=grid_spec, out_shape=tuple(out_shape), compiler_params=compiler_params(*SEMANTICS),
+        cost_estimate=cost_estimate("backward", H * NT, C, K, V, safe_gate, False, fusion, args, out_shape),
+        interpret=interpret, name="kda_varlen_bwd",
+    )(*tables, *args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def varlen_core(q, k, v, g, beta_tab, slot, flags, h0_slots, scale, safe_gate, interpret):
-    """Kernel layout: q, k, g [H, T_new, K], v [H, T_new, V], beta_tab [H, NT, C] fp32, slot/flags int32 [NT],
-    h0_slots [max_segs + 1, H, K, V] fp32 -> (o [H, T_new, V], final_slots [max_segs + 1, H, K, V] fp32)."""
-    return _forward_call(q, k, v, g, beta_tab, ChunkTables(slot, flags), h0_slots, scale=scale, safe_gate=safe_gate,
-                         interpret=interpret, emit_states=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14))
+def varlen_core(q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab, n_slots, scale, safe_gate, fusion,
+                interpret):
+    """Kernel layout: q, k, g [H, T_new, K], v [H, T_new, V], beta_tab [H, NT, C] fp32, tables int32 [NT],
+    h0_rows [B + 1, H, K, V] fp32 (block B zeros), gate_tab [H, 2, K] (fused gate only)
+    -> (o [H, T_new, V], final_slots [n_slots, H, K, V] fp32)."""
+    return _forward_call(q, k, v, g, beta_tab, ChunkTables(slot, flags, init_row), h0_rows, gate_tab, n_slots,
+                         scale=scale, safe_gate=safe_gate, fusion=fusion, interpret=interpret, emit_states=False)
 
 
-def _core_fwd(q, k, v, g, beta_tab, slot, flags, h0_slots, scale, safe_gate, interpret):
-    out = varlen_core(q, k, v, g, beta_tab, slot, flags, h0_slots, scale, safe_gate, interpret)
-    return out, (q, k, v, g, beta_tab, slot, flags, h0_slots)
+def _core_fwd(q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab, n_slots, scale, safe_gate, fusion,
+              interpret):
+    out = varlen_core(q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab, n_slots, scale, safe_gate,
+                      fusion, interpret)
+    return out, (q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab)
 
 
-def _core_bwd(scale, safe_gate, interpret, residuals, cotangents):
-    q, k, v, g, beta_tab, slot, flags, h0_slots = residuals
+def _core_bwd(n_slots, scale, safe_gate, fusion, interpret, residuals, cotangents):
+    q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab = residuals
     do, dfinal_slots = cotangents
-    static = dict(scale=scale, safe_gate=safe_gate, interpret=interpret)
-    tables = ChunkTables(slot, flags)
-    states = _forward_call(q, k, v, g, beta_tab, tables, h0_slots, emit_states=True, **static)
-    dq, dk, dv, dg, dbeta, dh0_slots = _backward_call(q, k, v, g, beta_tab, tables, states, do.astype(v.dtype),
-                                                      dfinal_slots.astype(f32), **static)
-    return dq, dk, dv, dg, dbeta, None, None, dh0_slots
+    static = dict(scale=scale, safe_gate=safe_gate, fusion=fusion, interpret=interpret)
+    tables = ChunkTables(slot, flags, init_row)
+    states = _forward_call(q, k, v, g, beta_tab, tables, h0_rows, gate_tab, n_slots, emit_states=True, **static)
+    dq, dk, dv, dg, dbeta, dh0_rows, *dgate = _backward_call(
+        q, k, v, g, beta_tab, tables, states, do.astype(v.dtype), dfinal_slots.astype(f32), gate_tab,
+        h0_rows.shape[0], **static)
+    # Rows without a segment never reset from their block: it is unwritten (the wrapper masks it).
+    return (dq, dk, dv, dg, dbeta, None, None, None, dh0_rows, dgate[0] if dgate else jnp.zeros_like(gate_tab))
 
 
 varlen_core.defvjp(_core_fwd, _core_bwd)
 
 
+class AlignedLayout(NamedTuple):
+    plan: segments.AlignPlan
+    t_new: int
+    n_chunks: int
+    tables: ChunkTables
+
+
+def aligned_layout(segment_ids_BT, max_segs: int, chunk_size: int) -> AlignedLayout:
+    """The aligned buffer and the scalar-prefetch tables of a batch (also used by experiments/pallas_cost)."""
+    B, T = segment_ids_BT.shape
+    total = B * T
+    plan = segments.align_plan(segment_ids_BT, max_segs, chunk_size)
+    t_new = segments.aligned_length(total, max_segs, chunk_size)
+    # A row's first segment starts from the row's initial state, every other segment from zeros (block B).
+    starts = segments.segment_starts(segment_ids_BT).reshape(-1)
+    (start_pos,) = jnp.nonzero(starts, size=max_segs, fill_value=total)
+    first_in_row = (start_pos % T == 0) & (start_pos < total)
+    slot_init_row = jnp.where(first_in_row, start_pos // T, B)
+    tables = chunk_tables(plan.cu_seqlens, slot_init_row, B, t_new // chunk_size, chunk_size)
+    return AlignedLayout(plan, t_new, t_new // chunk_size, tables)
+
+
 def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale, initial_state_BHKV,
-                      max_segs, chunk_size=64, safe_gate=False, interpret=None):
-    """`api.chunk_kda(impl="pallas_varlen")`: same arguments and semantics as `chunked.chunked_aligned`."""
+                      max_segs, chunk_size=64, safe_gate=False, interpret=None, use_gate_in_kernel=False, A_log=None,
+                      dt_bias=None, lower_bound=None, use_qk_l2norm_in_kernel=False):
+    """`api.chunk_kda(impl="pallas_varlen")`: same arguments and semantics as `chunked.chunked_aligned`; the
+    fused gate / L2 norm options as in `pallas_segment.pallas_segment_kda`."""
     interpret = resolve_interpret(interpret)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
     check_head_dims(K, V, chunk_size)
+    fusion, gate_tab, safe_gate = fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                                                use_qk_l2norm_in_kernel, safe_gate)
     total = B * T
-    plan = segments.align_plan(segment_ids_BT, max_segs, chunk_size)
-    t_new = segments.aligned_length(total, max_segs, chunk_size)
-    n_chunks = t_new // chunk_size
+    layout = aligned_layout(segment_ids_BT, max_segs, chunk_size)
+    plan, t_new, n_chunks = layout.plan, layout.t_new, layout.n_chunks
     real = segment_ids_BT != 0
 
-    def aligned(x):
-        """[B, T, H, *] -> [H, T_new, *]: padding zeroed (no-op tokens), alignment filler zero."""
-        x = jnp.where(real.reshape(B, T, *([1] * (x.ndim - 2))), x, jnp.zeros((), x.dtype))
+    def aligned(x, fill=0.0):
+        """[B, T, H, *] -> [H, T_new, *]: padding and alignment filler become no-op tokens."""
+        fill = jnp.asarray(fill, x.dtype)
+        x = jnp.where(real.reshape(B, T, *([1] * (x.ndim - 2))), x, fill)
         flat = x.reshape(total, *x.shape[2:])
-        buf = jnp.zeros((t_new,) + flat.shape[1:], x.dtype).at[plan.dest].set(flat, mode="drop")
+        buf = jnp.full((t_new,) + flat.shape[1:], fill, x.dtype).at[plan.dest].set(flat, mode="drop")
         return jnp.moveaxis(buf, 1, 0)
 
-    q, k, v, g = [aligned(x) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK)]
+    q, k, v = [aligned(x) for x in (q_BTHK, k_BTHK, v_BTHV)]
+    g = aligned(g_BTHK, chunk.PADDING_GATE_RAW if fusion.gate else 0.0)
     beta_tab = aligned(beta_BTH.astype(f32)).reshape(H, n_chunks, chunk_size)   # beta stays fp32
-    tables = chunk_tables(plan.cu_seqlens, n_chunks, chunk_size)
 
-    # Slot initial states: a row's first segment starts from the row's initial state, the others from zero.
-    starts = segments.segment_starts(segment_ids_BT).reshape(-1)
-    (start_pos,) = jnp.nonzero(starts, size=max_segs, fill_value=total)
-    first_in_row = (start_pos % T == 0) & (start_pos < total)
+    has_segment = plan.row_last_seg >= 0
     h0 = initial_state_BHKV.astype(f32)
-    h0_slots = jnp.where(first_in_row[:, None, None, None], h0[jnp.minimum(start_pos // T, B - 1)], 0.0)
-    h0_slots = jnp.concatenate([h0_slots, jnp.zeros((1, H, K, V), f32)])   # the dummy slot of trailing filler
+    # Masking rows without a segment also drops their (never written) dh0 blocks from the gradient.
+    h0_rows = jnp.concatenate([jnp.where(has_segment[:, None, None, None], h0, 0.0), jnp.zeros((1, H, K, V), f32)])
 
-    o, final_slots = varlen_core(q, k, v, g, beta_tab, tables.slot, tables.flags, h0_slots, float(scale),
-                                 bool(safe_gate), interpret)
+    o, final_slots = varlen_core(q, k, v, g, beta_tab, *layout.tables, h0_rows, gate_tab, max_segs + 1, float(scale),
+                                 bool(safe_gate), fusion, interpret)
     o_flat = jnp.moveaxis(o, 0, 1)                                        # [T_new, H, V]
     o_BTHV = jnp.take(o_flat, plan.dest, axis=0, mode="fill", fill_value=0).reshape(B, T, H, V)
-    has_segment = plan.row_last_seg >= 0
-    final = jnp.where(has_segment[:, None, None, None],
-                      final_slots[jnp.clip(plan.row_last_seg, 0, max_segs - 1)], h0)
+    final = jnp.where(has_segment[:, None, None, None], final_slots[jnp.clip(plan.row_last_seg, 0, max_segs - 1)], h0)
     return jnp.where(real[..., None, None], o_BTHV, 0), final
 
 

@@ -1,0 +1,150 @@
+"""Wires a resolved config into data -> model -> train -> tracking, and writes the run's summary.
+
+`run.py` calls `run_from_hydra`; tests and scripts can call `run(plain_config_dict, run_dir)` directly.
+Each job gets its own W&B run (offline by default, `finish()` per job), a `metrics.jsonl`/`metrics.csv`,
+`summary.json`, a console summary table and PNG plots in its run directory. Multiruns end with a sweep
+table over all jobs (`SweepSummary`, a Hydra callback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from lingpack import config as config_lib
+
+_DISTRIBUTED_READY = False
+SUMMARY_FORMATS = {"final_lm_loss": ".4f", "first_lm_loss": ".4f", "tokens_per_s": ".0f",
+                   "segments_per_row": ".2f", "phantom_overhead": ".3f", "packing_parity_rel": ".1e",
+                   "parity_max_rel": ".1e", "parity_mean_rel": ".1e"}
+
+
+def maybe_initialize_distributed() -> None:
+    """`jax.distributed.initialize()` once per process, only on multi-host launches (TPU pods, SLURM, env)."""
+    global _DISTRIBUTED_READY
+    if _DISTRIBUTED_READY:
+        return
+    multi_host = (os.environ.get("JAX_COORDINATOR_ADDRESS") or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+                  or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0)
+    if multi_host:
+        import jax
+        jax.distributed.initialize()
+    _DISTRIBUTED_READY = True
+
+
+def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None):
+    from lingpack.tracking.metrics import MetricsLogger
+    wandb = None
+    if rc.logger.kind == "wandb" and rc.logger.mode != "disabled":
+        from lingpack.tracking.wandb_logger import WandbLogger
+        wandb = WandbLogger(project=rc.logger.project, group=rc.logger.group or group or rc.name,
+                            job_type=rc.logger.job_type, name=rc.name, tags=list(rc.logger.tags),
+                            dir=rc.run_dir, mode=rc.logger.mode, config=plain)
+    return MetricsLogger(rc.run_dir, wandb=wandb, console_every=rc.logger.console_every)
+
+
+def overhead_key(rc: config_lib.RunConfig) -> str:
+    """The phantom-overhead metric of the configured kernel design."""
+    return "t_new_over_t" if rc.kernel.name in config_lib.KERNELS_WITH_MAX_SEGS else "native_t_over_t"
+
+
+def _mean(history: list[dict], key: str) -> float | None:
+    values = [float(h[key]) for h in history if key in h]
+    return sum(values) / len(values) if values else None
+
+
+def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
+    """Train one job from a plain config dict; returns its summary dict (also written to summary.json)."""
+    maybe_initialize_distributed()
+    os.makedirs(run_dir, exist_ok=True)
+    rc = config_lib.build(plain, run_dir)
+    from lingpack.train import loop
+    from lingpack.tracking.table import summary_table
+
+    metrics_logger = _metrics_logger(rc, plain, group)
+    try:
+        result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
+                            metrics_callback=metrics_logger)
+        history = list(result.history)
+        summary = {
+            "name": rc.name, "kernel": rc.kernel.name, "max_segs": rc.kernel.max_segs, "steps": len(history),
+            "final_lm_loss": float(history[-1]["lm_loss"]) if history else None,
+            "first_lm_loss": float(history[0]["lm_loss"]) if history else None,
+            "tokens_per_s": _mean(history[1:] or history, "tokens_per_s"),
+            "segments_per_row": _mean(history, "segments_per_row"),
+            "phantom_overhead": _mean(history, overhead_key(rc)),
+            "overflow_steps": sum(1 for h in history if float(h.get("overflow", 0)) > 0),
+        }
+        summary["packing_parity_rel"] = _packing_parity(rc)["rel_diff"]
+        if rc.parity.enabled:
+            from lingpack.parity.harness import run_parity
+            summary.update(run_parity(rc, history, metrics_logger))
+        metrics_logger.summary({k: v for k, v in summary.items() if v is not None})
+        metrics_logger.export_csv()
+        _plots(rc, history)
+        print(summary_table([summary], title=f"lingpack run summary: {rc.name}", formats=SUMMARY_FORMATS))
+        return summary
+    finally:
+        metrics_logger.finish()
+
+
+def _packing_parity(rc: config_lib.RunConfig) -> dict:
+    """Loss of the first real batch packed vs every document alone (the model at its initial weights)."""
+    from lingpack.data.pipeline import make_iterator
+    from lingpack.parity.packing import packing_parity
+    from lingpack.train.loop import make_model
+    batch = next(make_iterator(rc.data, split="train"))
+    return packing_parity(make_model(rc.model, rc.train.seed), batch)
+
+
+def _plots(rc: config_lib.RunConfig, history: list[dict]) -> None:
+    from lingpack.tracking.plots import plot_loss_curves
+    if history:
+        plot_loss_curves({rc.name: history}, Path(rc.run_dir) / "loss.png", metric="lm_loss",
+                         title=f"{rc.name}: lm loss ({rc.kernel.name})")
+
+
+def run_from_hydra(cfg) -> float:
+    """The body of run.py's @hydra.main: resolve, run, return the final lm loss (for sweepers)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+    hydra_cfg = HydraConfig.get()
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    group = None
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # jobs of one sweep share a W&B group
+        group = f"{plain.get('name', 'sweep')}-{Path(hydra_cfg.sweep.dir).name}"
+        plain["name"] = f"{plain.get('name', 'run')}-{hydra_cfg.job.num}"
+    summary = run(plain, hydra_cfg.runtime.output_dir, group=group)
+    return summary["final_lm_loss"]
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # hydra is a dependency; this only keeps `import lingpack.experiment` light in odd setups
+    _HydraCallback = object
+
+
+class SweepSummary(_HydraCallback):
+    """Hydra callback: after a multirun, one table over every job's summary.json (and a CSV beside it)."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        from lingpack.tracking.table import summary_table
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = []
+        for path in sorted(sweep_dir.glob("*/summary.json")):
+            row = json.loads(path.read_text())
+            row["job"] = path.parent.name
+            rows.append(row)
+        if not rows:
+            print(f"sweep summary: no job summaries under {sweep_dir}")
+            return
+        columns = ["job", "kernel", "max_segs", "final_lm_loss", "tokens_per_s", "phantom_overhead",
+                   "packing_parity_rel", "overflow_steps"]
+        table = summary_table(rows, columns, title=f"sweep summary ({len(rows)} jobs): {sweep_dir}",
+                              formats=SUMMARY_FORMATS)
+        print(table)
+        (sweep_dir / "sweep_summary.txt").write_text(table + "\n")
+        from lingpack.tracking.metrics import write_csv
+        write_csv(rows, sweep_dir / "sweep_summary.csv", columns=columns)

@@ -1,0 +1,67 @@
+"""One pre-norm decoder layer: x += mixer(norm(x)); x += ffn(norm(x)); mixer KDA or MLA, ffn dense or MoE.
+
+Submodule names follow transformers' KimiLinearDecoderLayer (`input_layernorm`, `self_attn`,
+`post_attention_layernorm`, `mlp`) so conversion stays a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lingpack.models.kda import KDA, KDAConfig, KDAKernel
+from lingpack.models.layers import MLP, RMSNorm
+from lingpack.models.mla import MLA, MLAConfig
+from lingpack.models.moe import MoE, MoEConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What one layer is made of and the shared sizes it needs (built by `ling3.Ling3`)."""
+    mixer: str                # "kda" or "mla"
+    ffn: str                  # "dense" or "moe"
+    emb_dim: int
+    mlp_dim: int
+    norm_eps: float
+    kda: KDAConfig
+    kda_kernel: KDAKernel
+    mla: MLAConfig
+    attention_impl: str
+    attention_block_size: int
+    moe: MoEConfig
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, spec: LayerSpec, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if spec.mixer not in ("kda", "mla") or spec.ffn not in ("dense", "moe"):
+            raise ValueError(f"layer mixer must be kda|mla and ffn dense|moe; got {spec.mixer!r}, {spec.ffn!r}")
+        self.mixer, self.ffn = spec.mixer, spec.ffn
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        D = spec.emb_dim
+        self.input_layernorm = RMSNorm(D, eps=spec.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        if spec.mixer == "kda":
+            self.self_attn = KDA(spec.kda, D, kernel=spec.kda_kernel, norm_eps=spec.norm_eps, **kw)
+        else:
+            self.self_attn = MLA(spec.mla, D, attention_impl=spec.attention_impl,
+                                 attention_block=spec.attention_block_size, **kw)
+        self.post_attention_layernorm = RMSNorm(D, eps=spec.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.mlp = MoE(spec.moe, D, **kw) if spec.ffn == "moe" else MLP(D, spec.mlp_dim, **kw)
+
+    def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array):
+        """-> (x_BTD, moe aux dict or None)."""
+        h = self.input_layernorm(x_BTD)
+        if self.mixer == "kda":
+            h = self.self_attn(h, segment_ids_BT)
+        else:
+            h = self.self_attn(h, segment_ids_BT, positions_BT)
+        x_BTD = x_BTD + h.astype(x_BTD.dtype)
+        h = self.post_attention_layernorm(x_BTD)
+        aux = None
+        if self.ffn == "moe":
+            h, aux = self.mlp(h, segment_ids_BT)
+        else:
+            h = self.mlp(h)
+        return x_BTD + h.astype(x_BTD.dtype), aux

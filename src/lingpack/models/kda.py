@@ -1,0 +1,92 @@
+"""The Kimi Delta Attention layer (REFERENCE.md §2), exact under packing through `segment_ids`.
+
+    q, k, v = silu(conv_q(q_proj x)), silu(conv_k(k_proj x)), silu(conv_v(v_proj x))   (segment-masked convs)
+    g       = gate(f_b_proj(f_a_proj x); A_log, dt_bias)     softplus form, or the safe form with lower_bound
+    beta    = sigmoid(b_proj x)                              (fp32)
+    o       = chunk_kda(l2norm(q), l2norm(k), v, g, beta; segment_ids)
+    y       = o_proj(gated_rmsnorm_per_head(o, g_b_proj(g_a_proj x)))
+
+Parameter names follow FLA/transformers (`q_proj`, `f_a_proj`, `A_log`, `dt_bias`, ...), which keeps
+weight conversion a table. `A_log` and `dt_bias` are fp32 and should get no weight decay.
+The kernel is reached only through `lingpack.kernels.kda.api.chunk_kda`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lingpack.kernels.kda import gate as kda_gate
+from lingpack.kernels.kda.api import chunk_kda
+from lingpack.models.layers import GatedRMSNorm, ShortConvolution, dense, partitioned
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+    num_heads: int = 4
+    head_dim: int = 32
+    conv_size: int = 4
+    lower_bound: float | None = -5.0   # Ling3's safe gate; None = Kimi Linear's softplus gate
+    gate_activation: str = "sigmoid"   # output gated norm: sigmoid (FLA, Moonshot), silu (old transformers port)
+
+    def __post_init__(self):
+        if self.num_heads < 1 or self.head_dim < 1 or self.conv_size < 1:
+            raise ValueError(f"KDAConfig needs positive num_heads/head_dim/conv_size; got {self}")
+        if self.lower_bound is not None and not -5.0 <= self.lower_bound < 0.0:
+            raise ValueError(f"kda.lower_bound must lie in [-5, 0) or be null (softplus gate); got {self.lower_bound}")
+        if self.gate_activation not in ("sigmoid", "silu"):
+            raise ValueError(f"kda.gate_activation must be 'sigmoid' or 'silu'; got {self.gate_activation!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAKernel:
+    """Which `chunk_kda` implementation runs, and its static options."""
+    impl: str = "chunked"
+    chunk_size: int = 64
+    max_segs: int | None = None
+
+
+class KDA(nnx.Module):
+    def __init__(self, cfg: KDAConfig, emb_dim: int, *, kernel: KDAKernel = KDAKernel(), norm_eps: float = 1e-6,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.kernel = cfg, kernel
+        H, K = cfg.num_heads, cfg.head_dim
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = dense(emb_dim, H * K, ("embed", "heads"), **kw)
+        self.k_proj = dense(emb_dim, H * K, ("embed", "heads"), **kw)
+        self.v_proj = dense(emb_dim, H * K, ("embed", "heads"), **kw)
+        self.q_conv = ShortConvolution(H * K, cfg.conv_size, **kw)
+        self.k_conv = ShortConvolution(H * K, cfg.conv_size, **kw)
+        self.v_conv = ShortConvolution(H * K, cfg.conv_size, **kw)
+        self.f_a_proj = dense(emb_dim, K, ("embed", "kv"), **kw)
+        self.f_b_proj = dense(K, H * K, ("kv", "heads"), **kw)
+        # Gate parameters stay fp32 whatever param_dtype: the decay exp(g) compounds over thousands of steps.
+        self.A_log = nnx.Param(partitioned(lambda key, shape, dtype: kda_gate.init_a_log(key, H), ("heads",))(
+            rngs.params(), (H,), jnp.float32))
+        self.dt_bias = nnx.Param(partitioned(lambda key, shape, dtype: kda_gate.init_dt_bias(key, H * K), ("heads",))(
+            rngs.params(), (H * K,), jnp.float32))
+        self.b_proj = dense(emb_dim, H, ("embed", "heads"), **kw)
+        self.g_a_proj = dense(emb_dim, K, ("embed", "kv"), **kw)
+        self.g_b_proj = dense(K, H * K, ("kv", "heads"), **kw)
+        self.o_norm = GatedRMSNorm(K, eps=norm_eps, activation=cfg.gate_activation, dtype=dtype)
+        self.o_proj = dense(H * K, emb_dim, ("heads", "embed"), **kw)
+
+    def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        B, T, _ = x_BTD.shape
+        H, K = self.cfg.num_heads, self.cfg.head_dim
+        heads = lambda a: a.reshape(B, T, H, -1)
+        q_BTHK = heads(self.q_conv(self.q_proj(x_BTD), segment_ids_BT))
+        k_BTHK = heads(self.k_conv(self.k_proj(x_BTD), segment_ids_BT))
+        v_BTHV = heads(self.v_conv(self.v_proj(x_BTD), segment_ids_BT))
+        g_raw_BTHK = heads(self.f_b_proj(self.f_a_proj(x_BTD)))
+        beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))  # fp32: beta near 0/1 matters in the erase
+        o_BTHV, _ = chunk_kda(
+            q_BTHK, k_BTHK, v_BTHV, g_raw_BTHK, beta_BTH, segment_ids=segment_ids_BT, impl=self.kernel.impl,
+            chunk_size=self.kernel.chunk_size, max_segs=self.kernel.max_segs, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...], lower_bound=self.cfg.lower_bound)
+        gate_BTHV = heads(self.g_b_proj(self.g_a_proj(x_BTD)))
+        y_BTHV = self.o_norm(o_BTHV, gate_BTHV)
+        return self.o_proj(y_BTHV.reshape(B, T, H * K))

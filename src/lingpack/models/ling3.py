@@ -1,0 +1,212 @@
+"""The Ling3 hybrid LM: embeddings -> [KDA | MLA] x (dense | MoE) layers -> final norm -> fp32 logits (+ MTP).
+
+Layer pattern (REFERENCE.md §3): layer i (0-indexed) is MLA iff (i + 1) % inhomogeneous_layer_cycle_interval
+== 0, else KDA; layers i < first_dense_layers use a dense SwiGLU (mlp_dim), the rest MoE. MTP layers are
+MLA. Every input is packed: `segment_ids` (1, 2, 3... per row, 0 = padding) keep documents apart in
+every mixer (KDA state, short conv, attention mask, MTP rolls); `positions` (restarting per document)
+drive RoPE.
+
+Logical axis names on parameters (mapped to mesh axes by `train/sharding.py`):
+  vocab    vocabulary (embedding rows, output head columns)
+  embed    model width D
+  mlp      SwiGLU / expert hidden width
+  heads    flattened head features (H * head_dim) of q/k/v/o projections, KDA gate and conv channels
+  kv       a per-head feature axis of width head_dim (KDA low-rank gate/output-gate bottleneck)
+  q_lora   MLA query latent;   kv_lora  MLA key/value latent (+ shared rope key)
+  exp      experts (router columns, expert weights, expert bias)
+  norm     norm weights
+  conv     short-convolution taps
+`None` marks a replicated axis (MTP's eh_proj input). Parameters without weight decay: norm weights,
+`A_log`, `dt_bias`; `ExpertBias` variables are not parameters at all (see moe.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from lingpack.kernels.attention.api import IMPLS as ATTENTION_IMPLS
+from lingpack.models.block import DecoderLayer, LayerSpec
+from lingpack.models.kda import KDAConfig, KDAKernel
+from lingpack.models.layers import DEFAULT_INIT, RMSNorm, as_dtype, partitioned
+from lingpack.models.mla import MLAConfig
+from lingpack.models.moe import MoE, MoEConfig
+from lingpack.models.mtp import MTPConfig, MTPLayer, roll_and_mask_by_segment
+
+KDA_IMPLS = ("reference", "chunked", "chunked_aligned", "pallas_varlen", "pallas_segment")
+KDA_NEEDS_MAX_SEGS = ("chunked_aligned", "pallas_varlen")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ling3Config:
+    vocab_size: int = 512
+    emb_dim: int = 64
+    num_layers: int = 4
+    inhomogeneous_layer_cycle_interval: int = 4
+    first_dense_layers: int = 1
+    mlp_dim: int = 128
+    norm_eps: float = 1e-6
+    dtype: str = "float32"            # compute dtype
+    param_dtype: str = "float32"
+    mtp_num_layers: int = 1
+    kda_impl: str = "chunked"
+    kda_chunk_size: int = 64
+    kda_max_segs: int | None = None
+    attention_impl: str = "dot_product"
+    attention_block_size: int = 128
+    remat: bool = False
+    tie_embeddings: bool = False
+    kda: KDAConfig = KDAConfig()
+    mla: MLAConfig = MLAConfig()
+    moe: MoEConfig = MoEConfig()
+    mtp: MTPConfig = MTPConfig()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "emb_dim", "num_layers", "mlp_dim", "inhomogeneous_layer_cycle_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if not 0 <= self.first_dense_layers <= self.num_layers:
+            raise ValueError(f"first_dense_layers must lie in [0, num_layers={self.num_layers}]; got {self.first_dense_layers}")
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers must be >= 0; got {self.mtp_num_layers}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention_impl {self.attention_impl!r}; valid choices: {list(ATTENTION_IMPLS)}")
+        if self.kda_impl not in KDA_IMPLS:
+            raise ValueError(f"unknown kda_impl {self.kda_impl!r}; valid choices: {list(KDA_IMPLS)}")
+        if self.kda_impl in KDA_NEEDS_MAX_SEGS and not self.kda_max_segs:
+            raise ValueError(f"kda_impl={self.kda_impl!r} needs kda_max_segs (the most documents per batch); set it")
+        as_dtype(self.dtype), as_dtype(self.param_dtype)
+
+    def layer_kinds(self) -> list[tuple[str, str]]:
+        """(mixer, ffn) per main layer, e.g. [('kda', 'dense'), ('kda', 'moe'), ('kda', 'moe'), ('mla', 'moe')]."""
+        interval = self.inhomogeneous_layer_cycle_interval
+        return [("mla" if (i + 1) % interval == 0 else "kda", "dense" if i < self.first_dense_layers else "moe")
+                for i in range(self.num_layers)]
+
+    def layer_spec(self, mixer: str, ffn: str) -> LayerSpec:
+        kernel = KDAKernel(self.kda_impl, self.kda_chunk_size, self.kda_max_segs)
+        return LayerSpec(mixer, ffn, self.emb_dim, self.mlp_dim, self.norm_eps, self.kda, kernel, self.mla,
+                         self.attention_impl, self.attention_block_size, self.moe)
+
+
+@struct.dataclass
+class Ling3Output:
+    logits_BTV: jax.Array          # fp32 [B, T, V]: position t predicts targets[t]
+    mtp_logits: list               # per MTP depth d, fp32 [B, T, V]: position t predicts targets[t + 1 + d]
+    moe_aux: dict                  # router_z_loss [L_moe], load_counts [L_moe, E], num_tokens [L_moe]
+    hidden_BTD: jax.Array          # final hidden state before the final norm
+
+
+class Ling3(nnx.Module):
+    def __init__(self, cfg: Ling3Config, rngs: nnx.Rngs = None):
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.cfg = cfg
+        dtype, param_dtype = as_dtype(cfg.dtype), as_dtype(cfg.param_dtype)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                      embedding_init=partitioned(DEFAULT_INIT, ("vocab", "embed")))
+        self.layers = nnx.List([DecoderLayer(cfg.layer_spec(m, f), **kw) for m, f in cfg.layer_kinds()])
+        self.norm = RMSNorm(cfg.emb_dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Param(partitioned(DEFAULT_INIT, ("embed", "vocab"))(
+                rngs.params(), (cfg.emb_dim, cfg.vocab_size), param_dtype))
+        mtp_ffn = "moe" if cfg.mtp.use_moe else "dense"
+        self.mtp_layers = nnx.List([MTPLayer(cfg.layer_spec("mla", mtp_ffn), **kw) for _ in range(cfg.mtp_num_layers)])
+
+    def moe_layers(self) -> list[MoE]:
+        """MoE modules in `moe_aux` stacking order: main layers, then MTP layers."""
+        blocks = list(self.layers) + [m.block for m in self.mtp_layers]
+        return [b.mlp for b in blocks if b.ffn == "moe"]
+
+    def logits(self, h_BTD: jax.Array) -> jax.Array:
+        """Final norm, then fp32 logits (fp32 weights and product: softmax over a large vocab needs it)."""
+        h = self.norm(h_BTD).astype(jnp.float32)
+        if self.cfg.tie_embeddings:
+            return h @ self.embed_tokens.embedding[...].astype(jnp.float32).T
+        return h @ self.lm_head[...].astype(jnp.float32)
+
+    def __call__(self, inputs_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
+                 positions_BT: jax.Array | None = None, *, input_embeddings_BTD: jax.Array | None = None) -> Ling3Output:
+        """Token ids int32 [B, T] (or `input_embeddings_BTD` replacing their lookup) -> Ling3Output."""
+        B, T = inputs_BT.shape
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        segment_ids_BT = segment_ids_BT.astype(jnp.int32)
+
+        def run(layer, *args):
+            return layer(*args)
+        run = nnx.remat(run) if self.cfg.remat else run
+
+        emb_BTD = self.embed_tokens(inputs_BT) if input_embeddings_BTD is None else input_embeddings_BTD
+        x = emb_BTD
+        aux = []
+        for layer in self.layers:
+            x, layer_aux = run(layer, x, segment_ids_BT, positions_BT)
+            aux.append(layer_aux)
+        logits = self.logits(x)
+
+        mtp_logits, h, rolled_BTD = [], x, emb_BTD
+        for mtp_layer in self.mtp_layers:
+            rolled_BTD = roll_and_mask_by_segment(rolled_BTD, segment_ids_BT)  # embedding of token t + 1 + d
+            h, layer_aux = run(mtp_layer, h, rolled_BTD, segment_ids_BT, positions_BT)
+            aux.append(layer_aux)
+            mtp_logits.append(self.logits(h))
+        return Ling3Output(logits, mtp_logits, _stack_aux(aux, self.cfg.moe.num_experts), x)
+
+
+def _stack_aux(aux: list, num_experts: int) -> dict:
+    aux = [a for a in aux if a is not None]
+    if not aux:
+        return {"router_z_loss": jnp.zeros((0,)), "load_counts": jnp.zeros((0, num_experts)), "num_tokens": jnp.zeros((0,))}
+    return {k: jnp.stack([a[k] for a in aux]) for k in aux[0]}
+
+
+def count_params(cfg: Ling3Config) -> int:
+    """Total trainable parameters (nnx.Param; expert biases excluded), from shapes only (no allocation)."""
+    abstract = nnx.eval_shape(lambda: Ling3(cfg, rngs=nnx.Rngs(0)))
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def count_active_params(cfg: Ling3Config) -> int:
+    """Parameters touched per token: the total minus the unrouted (num_experts - top_k) experts of each MoE layer."""
+    n_moe = sum(f == "moe" for _, f in cfg.layer_kinds()) + (cfg.mtp_num_layers if cfg.mtp.use_moe else 0)
+    per_expert = 3 * cfg.emb_dim * cfg.moe.expert_dim
+    return count_params(cfg) - n_moe * (cfg.moe.num_experts - cfg.moe.top_k) * per_expert
+
+
+_NESTED = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig, "mtp": MTPConfig}
+
+
+def _build(cls, d: typing.Mapping, where: str):
+    if not isinstance(d, typing.Mapping):
+        raise TypeError(f"{where} must be a mapping of config keys; got {type(d).__name__}")
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(d) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {where}; valid keys: {valid}")
+    d = dict(d)
+    for f in dataclasses.fields(cls):  # YAML may give 1e-6 as a string or 5 as an int for a float field
+        value = d.get(f.name)
+        if str(f.type).startswith("float") and isinstance(value, (int, str)) and not isinstance(value, bool):
+            try:
+                d[f.name] = float(value)
+            except ValueError:
+                raise ValueError(f"{where}.{f.name} must be a number; got {value!r}") from None
+    return cls(**d)
+
+
+def config_from_dict(d: typing.Mapping) -> Ling3Config:
+    """Ling3Config from a plain dict (the conf/model/*.yaml keys); nested dicts for kda, mla, moe, mtp."""
+    if not isinstance(d, typing.Mapping):
+        raise TypeError(f"model config must be a mapping; got {type(d).__name__}")
+    d = dict(d)
+    for key, cls in _NESTED.items():
+        if key in d and not isinstance(d[key], cls):
+            d[key] = _build(cls, d[key] or {}, f"model.{key}")
+    return _build(Ling3Config, d, "model")

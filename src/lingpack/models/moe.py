@@ -1,0 +1,134 @@
+"""Ling / DeepSeek-V3 style mixture of experts with dropless dispatch.
+
+Routing (fp32): `scores = sigmoid(x @ router)`; experts are CHOSEN by `scores + expert_bias` (the
+auxiliary-loss-free balancing bias), optionally limited to the `topk_groups` best of `n_groups` groups
+(a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the unbiased
+scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
+Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls
+(`jax.lax.ragged_dot`), so no token is ever dropped. Shared experts see every token.
+
+`expert_bias` is an `ExpertBias` variable, not an `nnx.Param`: gradients never reach it; it moves only
+through `update_expert_bias` (outside the gradient), from the per-expert load counts each call returns.
+Statistics (load counts, router z-loss) count real tokens only (segment id != 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lingpack.models.layers import DEFAULT_INIT, MLP, partitioned
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = 4
+    top_k: int = 2
+    expert_dim: int = 64
+    num_shared_experts: int = 1           # shared width = num_shared_experts * expert_dim
+    n_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    bias_update_rate: float = 1e-3        # used by the training loop's `update_expert_bias` call
+    z_loss_coef: float = 0.0              # Ling3: 2.9e-6; the loss module scales `router_z_loss` by it
+
+    def __post_init__(self):
+        E, G = self.num_experts, self.n_groups
+        if E < 1 or not 1 <= self.top_k <= E:
+            raise ValueError(f"moe: need 1 <= top_k <= num_experts; got top_k={self.top_k}, num_experts={E}")
+        if G < 1 or E % G:
+            raise ValueError(f"moe: num_experts={E} must be divisible by n_groups={G}")
+        if not 1 <= self.topk_groups <= G:
+            raise ValueError(f"moe: topk_groups={self.topk_groups} must lie in [1, n_groups={G}]")
+        if G > 1 and E // G < 2:
+            raise ValueError(f"moe: group scores sum each group's 2 best experts; num_experts/n_groups = {E // G} < 2")
+        if self.topk_groups * (E // G) < self.top_k:
+            raise ValueError(f"moe: the {self.topk_groups} kept groups hold {self.topk_groups * (E // G)} experts,"
+                             f" fewer than top_k={self.top_k}; raise topk_groups")
+
+
+class ExpertBias(nnx.Variable):
+    """Auxiliary-loss-free routing bias: fp32, excluded from gradients and weight decay."""
+
+
+def route(logits_NE: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """(top-k expert indices int32 [N, k], combine weights fp32 [N, k]) from fp32 router logits."""
+    N, E = logits_NE.shape
+    scores = jax.nn.sigmoid(logits_NE)
+    choice = scores + bias_E  # the bias only changes WHICH experts are chosen, not their weights
+    if cfg.n_groups > 1:
+        grouped = choice.reshape(N, cfg.n_groups, E // cfg.n_groups)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)                              # [N, G]
+        _, top_groups = jax.lax.top_k(group_scores, cfg.topk_groups)
+        keep_NG = jnp.any(jax.nn.one_hot(top_groups, cfg.n_groups, dtype=bool), axis=1)
+        keep_NE = jnp.repeat(keep_NG, E // cfg.n_groups, axis=1)
+        choice = jnp.where(keep_NE, choice, -jnp.inf)  # -inf only feeds top_k (no gradient path)
+    _, idx_NK = jax.lax.top_k(jax.lax.stop_gradient(choice), cfg.top_k)
+    weights_NK = jnp.take_along_axis(scores, idx_NK, axis=1)
+    if cfg.norm_topk_prob:
+        weights_NK = weights_NK / (weights_NK.sum(-1, keepdims=True) + 1e-20)  # eps as in DeepSeek: never 0/0
+    return idx_NK.astype(jnp.int32), weights_NK * cfg.routed_scaling_factor
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: MoEConfig, emb_dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        E, D, I = cfg.num_experts, emb_dim, cfg.expert_dim
+        # The router stays fp32: bf16 logits flip near-tied expert choices between steps.
+        self.router = nnx.Param(partitioned(DEFAULT_INIT, ("embed", "exp"))(rngs.params(), (D, E), jnp.float32))
+        self.expert_bias = ExpertBias(partitioned(nnx.initializers.zeros, ("exp",))(None, (E,), jnp.float32))
+        self.wi_gate = nnx.Param(partitioned(DEFAULT_INIT, ("exp", "embed", "mlp"))(rngs.params(), (E, D, I), param_dtype))
+        self.wi_up = nnx.Param(partitioned(DEFAULT_INIT, ("exp", "embed", "mlp"))(rngs.params(), (E, D, I), param_dtype))
+        self.wo = nnx.Param(partitioned(DEFAULT_INIT, ("exp", "mlp", "embed"))(rngs.params(), (E, I, D), param_dtype))
+        self.shared_experts = (MLP(D, I * cfg.num_shared_experts, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                               if cfg.num_shared_experts else None)
+
+    def experts(self, x_ND: jax.Array, idx_NK: jax.Array, weights_NK: jax.Array) -> jax.Array:
+        """Dropless dispatch: sort assignments by expert, grouped matmuls, weighted scatter-add back."""
+        N, D = x_ND.shape
+        k, E = idx_NK.shape[1], self.cfg.num_experts
+        flat_expert = idx_NK.reshape(-1)
+        order = jnp.argsort(flat_expert, stable=True)
+        x_sorted = x_ND[order // k].astype(self.dtype)
+        group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
+        mm = lambda a, w: jax.lax.ragged_dot(a, w[...].astype(self.dtype), group_sizes,
+                                             preferred_element_type=jnp.float32)  # fp32 accumulation for bf16
+        h = jax.nn.silu(mm(x_sorted, self.wi_gate)) * mm(x_sorted, self.wi_up)
+        y_sorted = mm(h.astype(self.dtype), self.wo)
+        y_NKD = jnp.zeros((N * k, D), jnp.float32).at[order].set(y_sorted).reshape(N, k, D)
+        return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK).astype(self.dtype)
+
+    def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        logits_NE = x_ND.astype(jnp.float32) @ self.router[...]  # fp32 routing (see the router's comment)
+        idx_NK, weights_NK = route(logits_NE, self.expert_bias[...], self.cfg)
+        y_ND = self.experts(x_ND, idx_NK, weights_NK)
+        if self.shared_experts is not None:
+            y_ND = y_ND + self.shared_experts(x_ND)
+        real_N = (jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0).reshape(-1)
+        load_E = jnp.sum(jax.nn.one_hot(idx_NK, self.cfg.num_experts) * real_N[:, None, None], axis=(0, 1))
+        z_N = jax.nn.logsumexp(logits_NE, axis=-1) ** 2
+        aux = {"router_z_loss": jnp.sum(jnp.where(real_N, z_N, 0.0)),
+               "load_counts": jax.lax.stop_gradient(load_E),
+               "num_tokens": jnp.sum(real_N).astype(jnp.float32)}
+        return y_ND.reshape(B, T, D), aux
+
+
+def update_expert_bias(model, load_counts, rate: float) -> None:
+    """bias += rate * sign(mean_load - load), then re-centred to mean 0; in place, outside the gradient.
+
+    `model` is a MoE, or any module with `moe_layers()` (Ling3) whose order matches the stacking of
+    `load_counts` [num_moe_layers, E] (as returned in `Ling3Output.moe_aux["load_counts"]`).
+    """
+    layers = model.moe_layers() if hasattr(model, "moe_layers") else [model]
+    load_counts = jnp.asarray(load_counts, jnp.float32).reshape(len(layers), -1)
+    for moe, load_E in zip(layers, load_counts):
+        if load_E.shape != moe.expert_bias.shape:
+            raise ValueError(f"load_counts rows must have {moe.expert_bias.shape[0]} experts; got {load_E.shape}")
+        bias = moe.expert_bias[...] + rate * jnp.sign(jnp.mean(load_E) - load_E)  # underloaded experts rise
+        moe.expert_bias[...] = bias - jnp.mean(bias)

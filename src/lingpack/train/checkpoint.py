@@ -1,0 +1,117 @@
+"""Orbax checkpoints of the whole training state, and a preemption guard for SIGTERM / SIGINT.
+
+A checkpoint at step s holds the TrainState (master params, optimizer state, expert biases, step,
+update count, RNG key data) and the Grain iterator state (a small JSON dict) positioned at batch s, so a
+restore continues with exactly the batch an uninterrupted run would have read next. Saves are async
+by default: Orbax copies the arrays to host memory before `save` returns (so the next step may donate
+them) and writes in a background thread; `wait()` blocks until the write is durable. The newest
+`keep` checkpoints survive.
+
+On multi-host runs every host's iterator is at the same batch number, so the primary host's JSON
+stands for all (each host re-derives its own rows from it, see data/pipeline.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import jax
+import orbax.checkpoint as ocp
+
+from lingpack.train.configs import CheckpointConfig
+from lingpack.train.step import TrainState
+
+log = logging.getLogger("lingpack.train")
+
+
+def _state_dict(state: TrainState) -> dict:
+    return {"step": state.step, "updates": state.updates, "params": state.params, "rest": state.rest,
+            "opt_state": state.opt_state, "rng": state.rng}
+
+
+class Checkpointer:
+    """Thin wrapper over `ocp.CheckpointManager` with items `state` (pytree) and `data` (JSON)."""
+
+    def __init__(self, cfg: CheckpointConfig):
+        self.cfg = cfg
+        self.directory = os.path.abspath(os.path.expanduser(cfg.directory))
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
+                                               enable_async_checkpointing=cfg.async_save)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state: TrainState, data_state: dict, *, wait: bool = False) -> None:
+        """Save `state` (at `step`) and the iterator state; `wait=True` blocks until it is on disk."""
+        if step in self.manager.all_steps():
+            return  # already saved at this step (e.g. a periodic save right before a preemption save)
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_state_dict(state)),
+                                                        data=ocp.args.JsonSave(dict(data_state))), force=True)
+        if wait:
+            self.wait()
+
+    def restore(self, step: int, abstract_state: TrainState, shardings: TrainState) -> tuple[TrainState, dict]:
+        """(TrainState placed in `shardings`, iterator state) from the checkpoint at `step`."""
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              _state_dict(abstract_state), _state_dict(shardings))
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                      data=ocp.args.JsonRestore()))
+        return TrainState(**restored["state"]), dict(restored["data"])
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+class PreemptionGuard:
+    """Context manager: SIGTERM / SIGINT set `triggered` instead of killing the process.
+
+    The loop checks `should_stop()` after each step, saves a checkpoint and returns. A second signal
+    while stopping restores the default behaviour (so a stuck save can still be interrupted). Handlers
+    are installed only in the main thread (Python's rule) and restored on exit.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.triggered: int | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.triggered is not None:  # second signal: give up on a clean stop
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name} while saving")
+        self.triggered = signum
+        log.warning("received %s: will save a checkpoint after this step and stop", signal.Signals(signum).name)
+
+    def __enter__(self):
+        if self.enabled:
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        return False
+
+    def should_stop(self) -> bool:
+        """True once any host got a signal (all hosts agree, so they save the same step)."""
+        local = self.triggered is not None
+        if jax.process_count() == 1:
+            return local
+        import numpy as np
+        from jax.experimental import multihost_utils
+        return bool(np.any(multihost_utils.process_allgather(np.array([local]))))

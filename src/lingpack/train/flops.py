@@ -1,0 +1,46 @@
+"""Training FLOPs per token (for the MFU estimate) and per-device peak FLOP/s.
+
+Ling3 estimate, forward + backward = 3 x forward, multiply-add = 2 FLOPs:
+  matmuls:   6 * (active parameters - input embedding table)    (the lookup is not a matmul)
+  attention: 3 * 2 * 2 * heads * (qk_head_dim + v_head_dim) / 2 * T / 2 per MLA layer (incl. MTP)
+             (scores + values; causal: each query sees T/2 keys on average; an upper bound under packing)
+  KDA:       3 * 2 * heads * (2 * head_dim^2 + chunk * 2 * head_dim) per KDA layer
+             (state read + write per token, plus the intra-chunk products)
+Other models: 6 * parameters, or their config's own `flops_per_token(seq_len)` when it has one.
+"""
+
+from __future__ import annotations
+
+import jax
+
+# Dense bf16 peak per chip (vendor figures); matched by substring of `device.device_kind`, lower-cased.
+PEAK_FLOPS = (
+    ("v6", 918e12), ("v5p", 459e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v4", 275e12), ("v3", 123e12),
+    ("h200", 989e12), ("h100", 989e12), ("a100", 312e12), ("b200", 2250e12),
+)
+
+
+def peak_flops_per_device(device=None) -> float | None:
+    kind = (device or jax.devices()[0]).device_kind.lower()
+    for key, value in PEAK_FLOPS:
+        if key in kind:
+            return value
+    return None
+
+
+def flops_per_token(model_cfg, seq_len: int) -> float:
+    if hasattr(model_cfg, "flops_per_token"):
+        return float(model_cfg.flops_per_token(seq_len))
+    from lingpack.models.ling3 import Ling3Config, count_active_params
+    if not isinstance(model_cfg, Ling3Config):
+        return 0.0
+    cfg = model_cfg
+    matmul = 6.0 * (count_active_params(cfg) - cfg.vocab_size * cfg.emb_dim * (not cfg.tie_embeddings))
+    kinds = [mixer for mixer, _ in cfg.layer_kinds()]
+    n_mla = kinds.count("mla") + cfg.mtp_num_layers
+    n_kda = kinds.count("kda")
+    mla = cfg.mla
+    attention = n_mla * 3 * 2 * 2 * mla.num_heads * (mla.qk_head_dim + mla.v_head_dim) / 2 * seq_len / 2
+    K = cfg.kda.head_dim
+    kda = n_kda * 3 * 2 * cfg.kda.num_heads * (2 * K * K + cfg.kda_chunk_size * 2 * K)
+    return matmul + attention + kda

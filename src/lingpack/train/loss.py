@@ -1,0 +1,173 @@
+"""Training losses with Megatron-LM's reduction semantics (REFERENCE.md §4).
+
+A step's global batch of B rows is split into M micro-batches of B/M rows (`step.py` scans over them);
+each micro-batch's rows split further into G = `megatron_dp_size` contiguous groups, Megatron's
+data-parallel ranks (its sampler orders a global batch as [micro-batch, rank, row]). With per-token
+cross-entropy `l`, loss mask `w` (`targets_segmentation != 0`), and sums over a group's tokens:
+
+  megatron, calculate_per_token_loss=False (Megatron's default):
+      objective = 1/(M G) sum_{m,g} sum(l w)_{mg} / max(sum(w)_{mg}, 1)
+  megatron, calculate_per_token_loss=True, and per_token:
+      objective = sum(l w) / max(sum(w), 1)              over the whole step batch
+  reported lm_loss (every mode, as Megatron prints it) = sum(l w) / sum(w), token-weighted.
+
+Extra terms:
+  * output z-loss (optional): `z_loss_weight * logsumexp(logits)^2` joins each loss token's `l`
+    (not the reported lm_loss).
+  * MTP (Megatron's gpt_model.py): depth d's loss is its masked sum over its own token count; the
+    objective adds `mtp_loss_scale / D * sum_d`, reduced like lm (per group and micro-batch); with
+    calculate_per_token_loss Megatron divides the MTP sums by the LM token total; per_token mode by
+    each depth's own global count.
+  * MoE router z-loss: `weight * sum_layers mean_tokens(logsumexp(router)^2)`; Megatron averages it over
+    micro-batches (its AutoScaler scale 1/M); calculate_per_token_loss / per_token use the global token
+    mean. The model sums it over a micro-batch, so with G > 1 the per-rank means are taken over the
+    whole micro-batch (the lm and MTP terms stay exact; this term, weighted ~3e-6, is approximate).
+All sums and logits are fp32.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import jax
+import jax.numpy as jnp
+
+from lingpack.models.mtp import mtp_targets
+from lingpack.train.configs import LossConfig
+
+
+class Totals(typing.NamedTuple):
+    """Step-batch token counts the global-mean modes divide by (computed before the micro-batch scan)."""
+    lm_tokens: jax.Array        # sum of the loss mask
+    mtp_tokens: jax.Array       # [D] per MTP depth
+    real_tokens: jax.Array      # inputs_segmentation != 0 (the tokens MoE statistics count)
+
+
+def loss_mask(batch: dict) -> jax.Array:
+    """fp32 [B, T]: 1 where the target is trained (`targets_segmentation` is the mask written as ids)."""
+    return (batch["targets_segmentation"] != 0).astype(jnp.float32)
+
+
+def token_xent(logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cross-entropy [B,T], logsumexp [B,T]), in fp32: log-softmax over a large vocab needs it."""
+    logits = logits_BTV.astype(jnp.float32)
+    lse_BT = jax.nn.logsumexp(logits, axis=-1)
+    target_logit_BT = jnp.take_along_axis(logits, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return lse_BT - target_logit_BT, lse_BT
+
+
+def group_sums(x_BT: jax.Array, groups: int) -> jax.Array:
+    """[G] sums over the rows of G contiguous row groups (Megatron's data-parallel ranks)."""
+    B = x_BT.shape[0]
+    if B % groups:
+        raise ValueError(f"a micro-batch of {B} rows does not split into megatron_dp_size={groups} groups; "
+                         f"make the micro-batch rows (global_batch_size / micro_batches) a multiple of {groups}")
+    return jnp.sum(x_BT.reshape(groups, -1), axis=1)
+
+
+def mtp_masks(batch: dict, depths: int) -> list[tuple[jax.Array, jax.Array]]:
+    """[(targets, mask)] per MTP depth (targets[t + 1 + d], rolled within documents, see mtp.py)."""
+    return [mtp_targets(batch["targets"], batch["targets_segmentation"], d, segment_ids_BT=batch["inputs_segmentation"])
+            for d in range(depths)]
+
+
+def totals(batch: dict, mtp_depths: int) -> Totals:
+    """Token counts of a whole step batch (any leading shape works: sums run over everything)."""
+    flat = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
+    mtp = [jnp.sum(mask) for _, mask in mtp_masks(flat, mtp_depths)]
+    return Totals(jnp.sum(loss_mask(flat)),
+                  jnp.stack(mtp) if mtp else jnp.zeros((0,), jnp.float32),
+                  jnp.sum(flat["inputs_segmentation"] != 0).astype(jnp.float32))
+
+
+def _mean_of_group_means(sums_G: jax.Array, counts_G: jax.Array) -> jax.Array:
+    return jnp.mean(sums_G / jnp.maximum(counts_G, 1.0))  # max(., 1): an all-masked group adds 0, as Megatron's clamp
+
+
+def micro_batch_loss(logits_BTV: jax.Array, mtp_logits: list, moe_aux: dict | None, batch: dict, cfg: LossConfig,
+                     step_totals: Totals, *, num_micro_batches: int, moe_z_loss_weight: float = 0.0
+                     ) -> tuple[jax.Array, dict]:
+    """(this micro-batch's share of the step objective, additive statistics) for one micro-batch.
+
+    Summing the first output over the step's micro-batches gives the objective (the module docstring);
+    the statistics add up across micro-batches and go to `metrics`.
+    """
+    M, G = num_micro_batches, cfg.megatron_dp_size
+    mask_BT = loss_mask(batch)
+    xent_BT, lse_BT = token_xent(logits_BTV, batch["targets"])
+    lm_sum_G = group_sums(xent_BT * mask_BT, G)
+    count_G = group_sums(mask_BT, G)
+    train_sum_G = lm_sum_G
+    if cfg.z_loss_weight:
+        train_sum_G = train_sum_G + cfg.z_loss_weight * group_sums(lse_BT ** 2 * mask_BT, G)
+
+    mtp_sum_DG, mtp_count_DG = [], []
+    for (tgt_BT, mtp_mask_BT), mtp_logits_BTV in zip(mtp_masks(batch, len(mtp_logits)), mtp_logits):
+        mtp_xent_BT, _ = token_xent(mtp_logits_BTV, tgt_BT)
+        mtp_sum_DG.append(group_sums(mtp_xent_BT * mtp_mask_BT, G))
+        mtp_count_DG.append(group_sums(mtp_mask_BT, G))
+    D = len(mtp_logits)
+    mtp_sum_DG = jnp.stack(mtp_sum_DG) if D else jnp.zeros((0, G), jnp.float32)
+    mtp_count_DG = jnp.stack(mtp_count_DG) if D else jnp.zeros((0, G), jnp.float32)
+    mtp_weight = cfg.mtp_loss_scale / max(D, 1)  # Megatron: mtp_loss_scaling_factor / mtp_num_layers per depth
+
+    if moe_aux is not None and moe_aux["router_z_loss"].size:
+        moe_z_L, moe_n_L = moe_aux["router_z_loss"].astype(jnp.float32), moe_aux["num_tokens"].astype(jnp.float32)
+    else:
+        moe_z_L = moe_n_L = jnp.zeros((0,), jnp.float32)
+
+    if cfg.mode == "megatron" and not cfg.calculate_per_token_loss:
+        objective = _mean_of_group_means(train_sum_G, count_G) / M
+        if D:
+            per_depth = jnp.stack([_mean_of_group_means(s, c) for s, c in zip(mtp_sum_DG, mtp_count_DG)])
+            objective += mtp_weight * jnp.sum(per_depth) / M
+        objective += moe_z_loss_weight * jnp.sum(moe_z_L / jnp.maximum(moe_n_L, 1.0)) / M
+    else:
+        lm_total = jnp.maximum(step_totals.lm_tokens, 1.0)  # an all-masked step gives 0, not NaN
+        objective = jnp.sum(train_sum_G) / lm_total
+        if D:
+            # Megatron's per-token mode divides MTP sums by the LM token total; per_token by each depth's own.
+            mtp_den_D = lm_total if cfg.mode == "megatron" else jnp.maximum(step_totals.mtp_tokens, 1.0)
+            objective += mtp_weight * jnp.sum(jnp.sum(mtp_sum_DG, axis=1) / mtp_den_D)
+        z_den = lm_total if cfg.mode == "megatron" else jnp.maximum(step_totals.real_tokens, 1.0)
+        objective += moe_z_loss_weight * jnp.sum(moe_z_L) / z_den
+
+    stats = {
+        "objective": objective,
+        "lm_sum": jnp.sum(lm_sum_G),
+        "lm_tokens": jnp.sum(count_G),
+        "mtp_sum": jnp.sum(mtp_sum_DG, axis=1),
+        "mtp_tokens": jnp.sum(mtp_count_DG, axis=1),
+        # Megatron's MTP tracker: per-(micro-batch, rank) token means, later averaged over both.
+        "mtp_group_mean_sum": jnp.sum(mtp_sum_DG / jnp.maximum(mtp_count_DG, 1.0), axis=1),
+        "moe_z_sum": moe_z_L,
+        "moe_z_tokens": moe_n_L,
+    }
+    return objective, stats
+
+
+def metrics(stats: dict, cfg: LossConfig, *, num_micro_batches: int) -> dict:
+    """Reported loss metrics from statistics summed over a step's micro-batches."""
+    lm_loss = stats["lm_sum"] / jnp.maximum(stats["lm_tokens"], 1.0)  # token-weighted, as Megatron prints it
+    if stats["mtp_sum"].size:
+        if cfg.mode == "megatron":
+            per_depth = stats["mtp_group_mean_sum"] / (num_micro_batches * cfg.megatron_dp_size)
+        else:
+            per_depth = stats["mtp_sum"] / jnp.maximum(stats["mtp_tokens"], 1.0)
+        mtp_loss = jnp.mean(per_depth)  # unscaled, averaged over depths
+    else:
+        mtp_loss = jnp.float32(0.0)
+    if stats["moe_z_sum"].size:
+        moe_z = jnp.mean(stats["moe_z_sum"] / jnp.maximum(stats["moe_z_tokens"], 1.0))  # unweighted, mean over layers
+    else:
+        moe_z = jnp.float32(0.0)
+    return {"loss": stats["objective"], "lm_loss": lm_loss, "mtp_loss": mtp_loss, "moe_z_loss": moe_z,
+            "loss_tokens": stats["lm_tokens"]}
+
+
+def resolve_moe_weights(cfg: LossConfig, moe_cfg) -> tuple[float, float]:
+    """(router z-loss weight, expert-bias update rate): LossConfig's, else the model's MoEConfig values."""
+    z = cfg.moe_z_loss_weight if cfg.moe_z_loss_weight is not None else getattr(moe_cfg, "z_loss_coef", 0.0)
+    rate = (cfg.expert_bias_update_rate if cfg.expert_bias_update_rate is not None
+            else getattr(moe_cfg, "bias_update_rate", 0.0))
+    return float(z), float(rate)

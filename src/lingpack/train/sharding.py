@@ -1,0 +1,125 @@
+"""Device mesh, logical-axis rules and shardings for the train state and batches.
+
+Mesh axes are always `data, fsdp, tensor, expert, context` (size-1 axes cost nothing). Parameters
+carry logical axis names (`vocab, embed, mlp, heads, ...`, see models/ling3.py); `ParallelConfig.rules`
+maps each to mesh axes. Activations: the batch axis goes over `batch` (data x fsdp x expert by
+default), the sequence axis over `length` (context). A dimension that does not divide by its mesh axes,
+or whose mesh axis is already used by an earlier dimension of the same array, stays replicated and is
+listed by `sharding_report` (nothing is dropped silently). Sharding never changes the numbers: XLA inserts
+the collectives, so every layout computes the single-device loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from lingpack.train.configs import MESH_AXES, ParallelConfig
+
+
+def mesh_shape(cfg: ParallelConfig, num_devices: int) -> dict[str, int]:
+    """Axis sizes with the -1 axis resolved; raises when they do not multiply to `num_devices`."""
+    sizes = cfg.axis_sizes()
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    rest = [k for k, v in sizes.items() if v == -1]
+    if rest:
+        if num_devices % fixed:
+            raise ValueError(f"mesh axes {sizes} leave {num_devices} devices / {fixed} = not an integer for "
+                             f"{rest[0]!r}; make the fixed axes' product divide {num_devices}")
+        sizes[rest[0]] = num_devices // fixed
+    if math.prod(sizes.values()) != num_devices:
+        raise ValueError(f"mesh axes {sizes} multiply to {math.prod(sizes.values())}, but there are {num_devices} "
+                         "devices; set one axis to -1 ('the rest') or make the product match")
+    return sizes
+
+
+def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
+    """A Mesh over `devices` (default: all) with axes MESH_AXES in that order."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_shape(cfg, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    try:
+        from jax.experimental import mesh_utils
+        grid = mesh_utils.create_device_mesh(shape, devices=devices)  # topology-aware on TPU
+    except Exception:  # CPU / unusual device sets: plain order is as good as any
+        grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, MESH_AXES)
+
+
+def _as_tuple(axes) -> tuple:
+    if axes is None:
+        return ()
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+def logical_to_mesh(logical: tuple, shape: tuple[int, ...], mesh: Mesh, rules, dropped: list | None = None) -> P:
+    """PartitionSpec over mesh axes for one array with logical axis names `logical` and `shape`."""
+    table = dict(rules)
+    used, spec = set(), []
+    for dim, name in enumerate(tuple(logical) + (None,) * (len(shape) - len(logical))):
+        if name is not None and name not in table:
+            raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(table)}. Add it to "
+                             "ParallelConfig.logical_axis_rules")
+        axes = tuple(a for a in _as_tuple(table.get(name)) if mesh.shape[a] > 1)
+        size = math.prod(mesh.shape[a] for a in axes)
+        if axes and (used & set(axes) or shape[dim] % size):
+            if dropped is not None:
+                dropped.append((name, shape[dim], axes))
+            axes = ()
+        used |= set(axes)
+        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*spec)
+
+
+def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules, dropped: list | None = None):
+    """NamedShardings for `abstract_tree` (arrays / ShapeDtypeStructs) from a same-shaped tree of logical specs."""
+    return jax.tree.map(lambda x, logical: NamedSharding(mesh, logical_to_mesh(tuple(logical or ()), x.shape, mesh,
+                                                                               rules, dropped)),
+                        abstract_tree, logical_tree, is_leaf=lambda x: isinstance(x, P) or x is None)
+
+
+def like_params_shardings(abstract_tree, params_abstract, params_shardings, mesh: Mesh):
+    """Shardings for an optimizer state: every sub-tree shaped like the params gets the params' shardings."""
+    structure = jax.tree.structure(params_abstract)
+    replicated = NamedSharding(mesh, P())
+
+    def assign(sub):
+        if jax.tree.structure(sub) == structure:
+            return params_shardings
+        return jax.tree.map(lambda _: replicated, sub)
+    return jax.tree.map(assign, abstract_tree, is_leaf=lambda sub: jax.tree.structure(sub) == structure)
+
+
+def batch_spec(mesh: Mesh, rules) -> P:
+    """[B, T] batch arrays: rows over the `batch` rule's axes, tokens over the `length` rule's axes."""
+    table = dict(rules)
+    spec = []
+    for name in ("batch", "length"):
+        axes = tuple(a for a in _as_tuple(table.get(name)) if mesh.shape[a] > 1)
+        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*spec)
+
+
+def batch_divisor(mesh: Mesh, rules) -> int:
+    """The number of row shards: micro-batch rows must be a multiple of it."""
+    return math.prod(mesh.shape[a] for a in _as_tuple(dict(rules).get("batch")))
+
+
+def shard_batch(batch: dict, mesh: Mesh, rules) -> dict:
+    """Host-local numpy batch (this process's rows of the global batch) -> global sharded jax arrays."""
+    sharding = NamedSharding(mesh, batch_spec(mesh, rules))
+    out = {}
+    for key, local in batch.items():
+        local = np.asarray(local)
+        global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+        out[key] = jax.make_array_from_process_local_data(sharding, local, global_shape)
+    return out
+
+
+def sharding_report(dropped: list) -> list[str]:
+    """Readable lines for dimensions left replicated (from the `dropped` lists above), deduplicated."""
+    return sorted({f"logical axis {name!r} (size {size}) not sharded over {axes}: not divisible or axis reused"
+                   for name, size, axes in dropped})

@@ -1,0 +1,239 @@
+"""Train state, sharded initialisation and the jitted train step (gradient accumulation by `lax.scan`).
+
+The state is a pytree of plain dicts (what Orbax saves): master parameters (`OptimConfig.master_dtype`),
+the model's non-trainable variables (MoE expert biases), optax state, the step count and an RNG key.
+The model is rebuilt inside the step from a static `nnx.GraphDef`; each parameter is cast from its master
+dtype to the dtype the model created it in (bf16 compute with fp32 master; fp32 ones like the router stay).
+
+One step: the global batch [B, T] -> [M, B/M, T] micro-batches; `lax.scan` sums each micro-batch's share of
+the objective and its gradient (fp32), then clip + AdamW, then the MoE expert-bias update from the summed
+load counts (outside the gradient). A non-finite loss or gradient norm leaves the state unchanged except
+`step` (`metrics['finite'] == 0`), so `step - 1` is exactly the state before the bad batch; the loop halts
+or skips on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from lingpack.kernels.kda.segments import packing_stats
+from lingpack.train import loss as loss_lib
+from lingpack.train import sharding as shard_lib
+from lingpack.train.configs import LossConfig, OptimConfig
+from lingpack.train.optim import global_norm, learning_rate, make_optimizer
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array          # int32: batches consumed (attempted updates)
+    updates: jax.Array       # int32: updates applied (the schedule's count; < step after skipped batches)
+    params: dict             # master parameters (pure dict)
+    rest: dict               # non-trainable model variables, e.g. MoE expert biases (pure dict)
+    opt_state: typing.Any
+    rng: jax.Array           # uint32 key data (raw, so Orbax stores it as an array)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """What the step needs to rebuild a module from pure-dict state (hashable by identity for jit)."""
+    graphdef: typing.Any
+    params_template: typing.Any    # nnx.State of ShapeDtypeStructs (model dtypes)
+    rest_template: typing.Any
+    logical_params: typing.Any     # pure dict of logical PartitionSpecs
+    logical_rest: typing.Any
+    config: typing.Any = None      # the model's config (for MoE / KDA settings), optional
+
+    @classmethod
+    def from_constructor(cls, make_model: typing.Callable[[], nnx.Module], config=None) -> "ModelDef":
+        abstract = nnx.eval_shape(make_model)
+        graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+        return cls(graphdef, params, rest, nnx.get_partition_spec(params).to_pure_dict(),
+                   nnx.get_partition_spec(rest).to_pure_dict(), config)
+
+    def merge(self, params: dict, rest: dict) -> nnx.Module:
+        """Module from pure dicts; each parameter cast to its model dtype (the master may be wider)."""
+        compute = jax.tree.map(lambda p, t: p.astype(t.dtype), params, self.params_template.to_pure_dict())
+        p_state, r_state = jax.tree.map(lambda x: x, self.params_template), jax.tree.map(lambda x: x, self.rest_template)
+        nnx.replace_by_pure_dict(p_state, compute)
+        nnx.replace_by_pure_dict(r_state, rest)
+        return nnx.merge(self.graphdef, p_state, r_state)
+
+
+def split_model(model: nnx.Module) -> tuple[dict, dict]:
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return params.to_pure_dict(), rest.to_pure_dict()
+
+
+def _master(params: dict, optim_cfg: OptimConfig) -> dict:
+    dtype = jnp.dtype(optim_cfg.master_dtype)
+    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
+def init_fn(make_model: typing.Callable[[], nnx.Module], optim_cfg: OptimConfig, seed: int):
+    """A function () -> TrainState (jit it with out_shardings for a sharded init)."""
+    tx = make_optimizer(optim_cfg)
+
+    def init():
+        params, rest = split_model(make_model())
+        params = _master(params, optim_cfg)
+        return TrainState(step=jnp.int32(0), updates=jnp.int32(0), params=params, rest=rest,
+                          opt_state=tx.init(params), rng=jax.random.key_data(jax.random.key(seed)))
+    return init
+
+
+def state_shardings(model_def: ModelDef, abstract_state: TrainState, mesh: Mesh, rules,
+                    dropped: list | None = None) -> TrainState:
+    """NamedShardings for every leaf of the train state."""
+    replicated = NamedSharding(mesh, P())
+    params_sh = shard_lib.tree_shardings(abstract_state.params, model_def.logical_params, mesh, rules, dropped)
+    rest_sh = shard_lib.tree_shardings(abstract_state.rest, model_def.logical_rest, mesh, rules, dropped)
+    opt_sh = shard_lib.like_params_shardings(abstract_state.opt_state, abstract_state.params, params_sh, mesh)
+    return TrainState(step=replicated, updates=replicated, params=params_sh, rest=rest_sh, opt_state=opt_sh,
+                      rng=replicated)
+
+
+def init_train_state(model_def: ModelDef, make_model, optim_cfg: OptimConfig, seed: int, mesh: Mesh, rules,
+                     dropped: list | None = None) -> tuple[TrainState, TrainState]:
+    """(state initialised directly into its shardings, the shardings)."""
+    fn = init_fn(make_model, optim_cfg, seed)
+    shardings = state_shardings(model_def, jax.eval_shape(fn), mesh, rules, dropped)
+    return jax.jit(fn, out_shardings=shardings)(), shardings
+
+
+def _moe_rate_and_weight(loss_cfg: LossConfig, model_cfg) -> tuple[float, float]:
+    moe_cfg = getattr(model_cfg, "moe", None)
+    return loss_lib.resolve_moe_weights(loss_cfg, moe_cfg)
+
+
+def _packing_metrics(seg_MBT: jax.Array, model_cfg) -> dict:
+    """Per micro-batch packing figures (what the KDA kernel sees), aggregated over the step."""
+    max_segs = getattr(model_cfg, "kda_max_segs", None)
+    chunk = getattr(model_cfg, "kda_chunk_size", 64)
+    stats = jax.vmap(lambda s: packing_stats(s, max_segs=max_segs, chunk_size=chunk))(seg_MBT)
+    out = {
+        "segments_per_row": jnp.mean(stats["segments_per_row_mean"]),
+        "segments_per_row_max": jnp.max(stats["segments_per_row_max"]),
+        "invalid_rows": jnp.sum(stats["invalid_rows"]),
+        "native_t_over_t": stats["native_t_over_t"][0],
+        "max_segs": jnp.int32(max_segs or 0),
+    }
+    if max_segs is not None:
+        out["overflow"] = jnp.sum(stats["overflow"])
+        out["t_new_over_t"] = stats["t_new_over_t"][0]
+    else:  # segment-native kernels: no phantom segments, the only growth is T rounded up to a chunk
+        out["overflow"] = jnp.int32(0)
+        out["t_new_over_t"] = stats["native_t_over_t"][0]
+    return out
+
+
+def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict, rest: dict, batch: dict, *,
+                         micro_batches: int, mesh: Mesh | None = None, rules=None, params_shardings=None):
+    """(gradient of the step objective w.r.t. params in fp32, statistics summed over micro-batches, micro-batches).
+
+    The [B, T] batch becomes [M, B/M, T]; `lax.scan` runs forward + backward per micro-batch and sums
+    gradients and statistics (each micro-batch's objective share already carries its 1/M or 1/N_total).
+    """
+    M = micro_batches
+    B = batch["inputs"].shape[0]
+    if B % M:
+        raise ValueError(f"global batch of {B} rows does not split into micro_batches={M}; choose a divisor of {B}")
+    model_cfg = model_def.config
+    moe_z_weight, _ = _moe_rate_and_weight(loss_cfg, model_cfg)
+    totals = loss_lib.totals(batch, getattr(model_cfg, "mtp_num_layers", 0) or 0)
+    spec = shard_lib.batch_spec(mesh, rules) if mesh is not None else P()
+    constrain = lambda x, sh: jax.lax.with_sharding_constraint(x, sh) if mesh is not None else x
+    micro = {k: constrain(v.reshape(M, B // M, *v.shape[1:]), NamedSharding(mesh, P(None, *spec)) if mesh else None)
+             for k, v in batch.items()}
+
+    def micro_step(mb):
+        def objective(params):
+            model = model_def.merge(params, rest)
+            out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
+            obj, stats = loss_lib.micro_batch_loss(out.logits_BTV, list(out.mtp_logits), out.moe_aux, mb, loss_cfg,
+                                                   totals, num_micro_batches=M, moe_z_loss_weight=moe_z_weight)
+            stats["load_counts"] = out.moe_aux["load_counts"].astype(jnp.float32)
+            return obj, stats
+        return jax.value_and_grad(objective, has_aux=True)(params)
+
+    def body(carry, mb):
+        grads_acc, stats_acc = carry
+        (_, stats), grads = micro_step(mb)
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)  # fp32 accumulation
+        return (grads_acc, jax.tree.map(jnp.add, stats_acc, stats)), None
+
+    stats_shape = jax.eval_shape(lambda: micro_step(jax.tree.map(lambda v: v[0], micro))[0][1])
+    grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    if params_shardings is not None:
+        grads0 = jax.lax.with_sharding_constraint(grads0, params_shardings)
+    stats0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
+    (grads, stats), _ = jax.lax.scan(body, (grads0, stats0), micro)
+    return grads, stats, micro
+
+
+def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimConfig, *, micro_batches: int,
+                    mesh: Mesh | None = None, rules=None, shardings: TrainState | None = None, donate: bool = True):
+    """Jitted `step(state, batch) -> (state, metrics)`; `batch` holds global [B, T] int32 arrays."""
+    tx = make_optimizer(optim_cfg)
+    lr_fn = learning_rate(optim_cfg)
+    model_cfg = model_def.config
+    _, bias_rate = _moe_rate_and_weight(loss_cfg, model_cfg)
+    M = micro_batches
+
+    def step(state: TrainState, batch: dict):
+        grads, stats, micro = accumulate_gradients(
+            model_def, loss_cfg, state.params, state.rest, batch, micro_batches=M, mesh=mesh, rules=rules,
+            params_shardings=None if shardings is None else shardings.params)
+        grad_norm = global_norm(grads)
+        updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        new_rest = state.rest
+        if bias_rate > 0 and stats["load_counts"].size:
+            from lingpack.models.moe import update_expert_bias
+            model = model_def.merge(new_params, state.rest)
+            update_expert_bias(model, stats["load_counts"], bias_rate)  # global-batch loads, outside the gradient
+            new_rest = nnx.split(model, nnx.Param, ...)[2].to_pure_dict()
+
+        loss_metrics = loss_lib.metrics(stats, loss_cfg, num_micro_batches=M)
+        finite = jnp.isfinite(loss_metrics["loss"]) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # bad step: no change
+        new_state = TrainState(step=state.step + 1, updates=state.updates + finite.astype(jnp.int32),
+                               params=keep(new_params, state.params), rest=keep(new_rest, state.rest),
+                               opt_state=keep(new_opt, state.opt_state),
+                               rng=keep(jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)),
+                                        state.rng))
+        metrics = dict(loss_metrics, grad_norm=grad_norm, lr=lr_fn(state.updates), finite=finite.astype(jnp.int32),
+                       tokens=jnp.int32(batch["inputs"].size),
+                       **_packing_metrics(micro["inputs_segmentation"], model_cfg))
+        return new_state, metrics
+
+    kwargs = {}
+    if shardings is not None:
+        kwargs = dict(in_shardings=(shardings, NamedSharding(mesh, shard_lib.batch_spec(mesh, rules))),
+                      out_shardings=(shardings, None))
+    return jax.jit(step, donate_argnums=(0,) if donate else (), **kwargs)
+
+
+def eval_loss(model_def: ModelDef, state: TrainState, batch: dict, loss_cfg: LossConfig, *,
+              micro_batches: int = 1) -> dict:
+    """Loss metrics of one batch without an update (the same reduction as training)."""
+    model_cfg = model_def.config
+    moe_z_weight, _ = _moe_rate_and_weight(loss_cfg, model_cfg)
+    depths = getattr(model_cfg, "mtp_num_layers", 0) or 0
+    B = batch["inputs"].shape[0]
+    totals = loss_lib.totals(batch, depths)
+    model = model_def.merge(state.params, state.rest)
+    stats_sum = None
+    for m in range(micro_batches):
+        mb = {k: v[m * B // micro_batches:(m + 1) * B // micro_batches] for k, v in batch.items()}
+        out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
+        _, stats = loss_lib.micro_batch_loss(out.logits_BTV, list(out.mtp_logits), out.moe_aux, mb, loss_cfg, totals,
+                                             num_micro_batches=micro_batches, moe_z_loss_weight=moe_z_weight)
+        stats_sum = stats if stats_sum is None else jax.tree.map(jnp.add, stats_sum, stats)
+    return loss_lib.metrics(stats_sum, loss_cfg, num_micro_batches=micro_batches)

@@ -1,0 +1,111 @@
+"""MoE: dropless dispatch equals a dense loop; routing equals transformers' KimiLinearMoE; bias balancing."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from lingpack.models.moe import MoE, MoEConfig, route, update_expert_bias
+
+CFG = MoEConfig(num_experts=8, top_k=3, expert_dim=16, num_shared_experts=1, n_groups=4, topk_groups=2,
+                routed_scaling_factor=2.5, norm_topk_prob=False)
+
+
+def _model(cfg=CFG, D=24, seed=0):
+    moe = MoE(cfg, D, rngs=nnx.Rngs(seed))
+    key = jax.random.key(seed + 1)
+    for name in ("router", "wi_gate", "wi_up", "wo"):  # O(1) activations so every term matters
+        key, sub = jax.random.split(key)
+        var = getattr(moe, name)
+        var[...] = jax.random.normal(sub, var.shape) / np.sqrt(var.shape[-2])
+    moe.expert_bias[...] = 0.1 * jax.random.normal(key, (cfg.num_experts,))
+    return moe
+
+
+def test_dispatch_equals_dense_loop_over_experts():
+    moe = _model()
+    x = jax.random.normal(jax.random.key(5), (2, 13, 24))
+    y, aux = moe(x)
+    x_ND = x.reshape(-1, 24)
+    idx, w = route(x_ND @ moe.router[...], moe.expert_bias[...], CFG)
+    ref = np.zeros(x_ND.shape, np.float32)
+    for e in range(CFG.num_experts):  # every expert on every token, weighted by its routing weight (0 if unrouted)
+        h = jax.nn.silu(x_ND @ moe.wi_gate[e]) * (x_ND @ moe.wi_up[e])
+        weight = jnp.sum(jnp.where(idx == e, w, 0.0), axis=1)
+        ref += np.asarray((h @ moe.wo[e]) * weight[:, None])
+    ref += np.asarray(moe.shared_experts(x_ND))
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 24), ref, atol=2e-5, rtol=1e-5)
+    assert aux["load_counts"].sum() == 2 * 13 * CFG.top_k
+
+
+def test_router_and_output_match_transformers():
+    from transformers import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
+    hf_cfg = KimiLinearConfig(hidden_size=24, moe_intermediate_size=16, num_local_experts=8, num_experts_per_tok=3,
+                              n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                              norm_topk_prob=False)
+    for norm in (False, True):
+        cfg = dataclasses.replace(CFG, norm_topk_prob=norm)
+        hf_cfg.norm_topk_prob = norm
+        moe = _model(cfg)
+        hf = KimiLinearMoE(hf_cfg).eval()
+        with torch.no_grad():
+            hf.gate.weight.copy_(torch.tensor(np.asarray(moe.router[...]).T))
+            hf.gate.e_score_correction_bias.copy_(torch.tensor(np.asarray(moe.expert_bias[...])))
+            gate_up = np.concatenate([np.asarray(moe.wi_gate[...]), np.asarray(moe.wi_up[...])], axis=2)
+            hf.experts.gate_up_proj.copy_(torch.tensor(gate_up.transpose(0, 2, 1)))
+            hf.experts.down_proj.copy_(torch.tensor(np.asarray(moe.wo[...]).transpose(0, 2, 1)))
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(hf.shared_experts, name).weight.copy_(
+                    torch.tensor(np.asarray(getattr(moe.shared_experts, name).kernel[...]).T))
+        x = np.random.default_rng(1).standard_normal((2, 11, 24)).astype(np.float32)
+        with torch.no_grad():
+            _, ref_w, ref_idx = hf.gate(torch.tensor(x))
+            ref = hf(torch.tensor(x)).numpy()
+        idx, w = route(jnp.asarray(x.reshape(-1, 24)) @ moe.router[...], moe.expert_bias[...], cfg)
+        order = np.argsort(np.asarray(idx), axis=1)
+        ref_order = np.argsort(ref_idx.numpy(), axis=1)
+        np.testing.assert_array_equal(np.take_along_axis(np.asarray(idx), order, 1),
+                                      np.take_along_axis(ref_idx.numpy(), ref_order, 1))
+        np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, 1),
+                                   np.take_along_axis(ref_w.numpy(), ref_order, 1), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(moe(jnp.asarray(x))[0]), ref, atol=3e-5, rtol=1e-5)
+
+
+def test_group_limit_keeps_chosen_experts_in_top_groups():
+    logits = jax.random.normal(jax.random.key(0), (64, CFG.num_experts)) * 3
+    idx, _ = route(logits, jnp.zeros(CFG.num_experts), CFG)
+    groups_used = np.asarray(idx) // (CFG.num_experts // CFG.n_groups)
+    assert max(len(set(row)) for row in groups_used) <= CFG.topk_groups
+
+
+def test_stats_ignore_padding_and_bias_gets_no_gradient():
+    moe = _model()
+    x = jax.random.normal(jax.random.key(2), (2, 8, 24))
+    seg = jnp.array([[1] * 5 + [0] * 3, [1] * 8])
+    _, aux = moe(x, seg)
+    assert float(aux["load_counts"].sum()) == 13 * CFG.top_k and float(aux["num_tokens"]) == 13
+    logits = np.asarray(x.reshape(-1, 24) @ moe.router[...])[np.asarray(seg).reshape(-1) != 0]
+    z = np.log(np.exp(logits).sum(-1)) ** 2
+    np.testing.assert_allclose(float(aux["router_z_loss"]), z.sum(), rtol=1e-5)
+    grads = nnx.grad(lambda m: jnp.sum(m(x, seg)[0] ** 2) + m(x, seg)[1]["router_z_loss"])(moe)
+    assert "expert_bias" not in dict(grads) and np.abs(np.asarray(grads["router"][...])).max() > 0
+
+
+def test_bias_update_moves_load_toward_balance():
+    cfg = dataclasses.replace(CFG, n_groups=1, topk_groups=1, top_k=2)
+    moe = _model(cfg)
+    moe.expert_bias[...] = jnp.zeros(cfg.num_experts)
+    x = jax.random.normal(jax.random.key(9), (4, 64, 24)) + 1.0  # a shifted input: a skewed router load
+    imbalance = []
+    for _ in range(60):
+        _, aux = moe(x)
+        load = np.asarray(aux["load_counts"])
+        imbalance.append(load.max() / load.mean())
+        update_expert_bias(moe, aux["load_counts"][None], rate=0.01)
+    assert imbalance[0] > 1.5, imbalance[0]                  # the test starts unbalanced
+    assert imbalance[-1] < 0.6 * imbalance[0], (imbalance[0], imbalance[-1])
+    assert abs(float(moe.expert_bias[...].mean())) < 1e-6   # re-centred

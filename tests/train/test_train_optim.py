@@ -1,0 +1,115 @@
+"""Optimizer: Megatron's own OptimizerParamScheduler, torch AdamW + clip_grad_norm_ as oracles."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lingpack.train.configs import OptimConfig
+from lingpack.train.optim import decay_mask, learning_rate, make_optimizer, resolve
+
+torch = pytest.importorskip("torch")
+
+
+def _megatron_scheduler(cfg: OptimConfig, optimizer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr,
+                                   lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=cfg.decay_steps,
+                                   lr_decay_style=cfg.schedule, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+                                   wd_incr_steps=cfg.decay_steps, wd_incr_style="constant")
+
+
+@pytest.mark.parametrize("schedule,warmup", [("cosine", 3), ("linear", 3), ("constant", 2), ("cosine", 0)])
+def test_schedule_matches_megatron(schedule, warmup):
+    pytest.importorskip("megatron.core")
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=warmup, decay_steps=10, schedule=schedule)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = _megatron_scheduler(cfg, opt)
+    ours = learning_rate(cfg)
+    for update in range(14):   # Megatron: the lr in place at num_steps = updates already applied
+        np.testing.assert_allclose(float(ours(update)), opt.param_groups[0]["lr"], rtol=1e-6, atol=1e-12,
+                                   err_msg=f"update {update}")
+        sched.step(1)
+
+
+def _params(rng):
+    return {"layer": {"kernel": rng.normal(size=(4, 3)), "bias": rng.normal(size=(3,))},
+            "norm": {"weight": rng.normal(size=(3,))},
+            "kda": {"A_log": rng.normal(size=(2,)), "dt_bias": rng.normal(size=(6,)), "embedding": rng.normal(size=(5, 3))}}
+
+
+def test_decay_mask():
+    mask = decay_mask(jax.tree.map(jnp.asarray, _params(np.random.default_rng(0))))
+    assert mask == {"layer": {"kernel": True, "bias": False}, "norm": {"weight": False},
+                    "kda": {"A_log": False, "dt_bias": False, "embedding": True}}
+
+
+@pytest.mark.parametrize("clip", [0.5, 0.0])
+def test_adamw_clip_matches_torch(clip):
+    rng = np.random.default_rng(1)
+    params = _params(rng)
+    grads = [jax.tree.map(lambda p: rng.normal(size=p.shape) * 3.0, params) for _ in range(6)]
+    cfg = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_steps=6, weight_decay=0.1, b1=0.9, b2=0.95,
+                      eps=1e-8, clip_grad_norm=clip)
+
+    # ours
+    tx = make_optimizer(cfg)
+    p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    state = tx.init(p)
+    for g in grads:
+        updates, state = tx.update(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g), state, p)
+        p = optax.apply_updates(p, updates)
+
+    # torch: two param groups (decay / no decay), Megatron's scheduler sets lr, clip_grad_norm_ before step
+    flat, treedef = jax.tree.flatten(params)
+    mask = jax.tree.leaves(decay_mask(jax.tree.map(jnp.asarray, params)))
+    tp = [torch.nn.Parameter(torch.tensor(x, dtype=torch.float64)) for x in flat]
+    opt = torch.optim.AdamW([{"params": [t for t, m in zip(tp, mask) if m], "weight_decay": cfg.weight_decay},
+                             {"params": [t for t, m in zip(tp, mask) if not m], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.b1, cfg.b2), eps=cfg.eps)
+    sched = _megatron_scheduler(cfg, opt) if _has_megatron() else None
+    lr_fn = learning_rate(cfg)
+    for step, g in enumerate(grads):
+        for t, gx in zip(tp, jax.tree.leaves(g)):
+            t.grad = torch.tensor(gx, dtype=torch.float64)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(tp, clip)
+        if sched is None:
+            for group in opt.param_groups:
+                group["lr"] = float(lr_fn(step))
+        opt.step()
+        if sched is not None:
+            for group, wd in zip(opt.param_groups, (cfg.weight_decay, 0.0)):
+                group["weight_decay"] = wd   # the scheduler writes its wd into every group; keep ours per group
+            sched.step(1)
+            for group, wd in zip(opt.param_groups, (cfg.weight_decay, 0.0)):
+                group["weight_decay"] = wd
+    for ours, ref in zip(jax.tree.leaves(p), tp):
+        np.testing.assert_allclose(np.asarray(ours), ref.detach().numpy(), rtol=2e-5, atol=2e-6)
+
+
+def _has_megatron():
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import megatron.core.optimizer_param_scheduler  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def test_resolve_and_errors():
+    assert resolve(OptimConfig(warmup_steps=5), 100).decay_steps == 100
+    with pytest.raises(ValueError, match="schedule"):
+        OptimConfig(schedule="wsd")
+    with pytest.raises(ValueError, match="decay_steps"):
+        learning_rate(OptimConfig())
+    with pytest.raises(ValueError, match="master_dtype"):
+        OptimConfig(master_dtype="fp8")

@@ -163,17 +163,19 @@ def test_chunk_backward_matches_autodiff_of_chunk_forward(monkeypatch, safe_gate
             np.testing.assert_allclose(o, e, atol=2e-5, rtol=1e-4, err_msg=f"{name} prev_last={prev_last}")
 
 
-@pytest.mark.parametrize("impl,lower_bound", [("pallas_segment", -5.0), ("pallas_varlen", None)])
-def test_gate_and_l2norm_fused_in_kernel(impl, lower_bound):
-    """Raw gate + A_log/dt_bias and raw q/k into the kernels; compared with the API applying them outside."""
-    xs, ws = inputs(11)
+@pytest.mark.parametrize("impl,lower_bound,head_dim", [("pallas_segment", -5.0, 128), ("pallas_varlen", None, 64)])
+def test_gate_and_l2norm_fused_in_kernel(impl, lower_bound, head_dim):
+    """Raw gate + A_log/dt_bias and raw q/k into the kernels; compared with the API applying them outside.
+    Head dim 128 also runs pallas_segment's transpose-free layout ((C, K) tiles of [B, T, H*K])."""
     rng = np.random.default_rng(11)
-    g_raw = rng.standard_normal((B, T, H, K)).astype(np.float32) * 3.0
+    q, k, v, _, beta = make_inputs(rng, B, T, H, head_dim, head_dim)
+    h0 = rng.standard_normal((B, H, head_dim, head_dim)).astype(np.float32)
+    w_o = rng.standard_normal(v.shape).astype(np.float32)
+    w_s = rng.standard_normal(h0.shape).astype(np.float32)
+    g_raw = rng.standard_normal(q.shape).astype(np.float32) * 3.0
     A_log = np.log(rng.uniform(1, 16, H)).astype(np.float32)
-    dt_bias = rng.standard_normal(H * K).astype(np.float32)
-    q, k = xs[0] * 3.0, xs[1] * 3.0
+    dt_bias = rng.standard_normal(H * head_dim).astype(np.float32)
     seg = segments_from_lengths(LAYOUTS["padding_len1_exact_chunk"], T)
-    w_o, w_s = ws
     flags = dict(use_gate_in_kernel=True, lower_bound=lower_bound, use_qk_l2norm_in_kernel=True)
 
     def loss(fn, q, k, v, g, beta, h0, A_log, dt_bias):
@@ -186,16 +188,17 @@ def test_gate_and_l2norm_fused_in_kernel(impl, lower_bound):
 
     def fused(q, k, v, g, beta, h0, A_log, dt_bias):
         extra = dict(max_segs=MAX_SEGS) if impl == "pallas_varlen" else {}
-        return api.IMPLS[impl](q, k, v, g, beta, segment_ids_BT=jnp.asarray(seg), scale=K ** -0.5,
+        return api.IMPLS[impl](q, k, v, g, beta, segment_ids_BT=jnp.asarray(seg), scale=head_dim ** -0.5,
                                initial_state_BHKV=h0, chunk_size=CHUNK, A_log=A_log, dt_bias=dt_bias, **flags, **extra)
 
     api._load_optional_impls()
-    args = (q, k, xs[2], g_raw, xs[4], xs[5], A_log, dt_bias)
+    args = (q * 3.0, k * 3.0, v, g_raw, beta, h0, A_log, dt_bias)
     grad = lambda fn: jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=tuple(range(8)), has_aux=True))
     (_, (o_ref, s_ref)), grads_ref = grad(reference)(*args)
     (_, (o, s)), grads = grad(fused)(*args)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=3e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), atol=3e-5, rtol=1e-5)
+    assert not np.asarray(o)[seg == 0].any(), "padding positions must output 0"
     for name, g, r in zip(GRAD_NAMES[:5] + ["dh0", "dA_log", "ddt_bias"], grads, grads_ref):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=5e-5, rtol=1e-4, err_msg=name)
         assert np.abs(np.asarray(r)).max() > 0, name
@@ -238,6 +241,18 @@ def test_varlen_overflow_raises_and_bad_head_dim_names_the_fix():
         api.chunk_kda(*xs[:5], segment_ids=seg, impl="pallas_varlen", max_segs=MAX_SEGS)
     with pytest.raises(ValueError, match="head dim"):
         api.chunk_kda(*[x[..., :60] if x.ndim == 4 else x for x in xs[:5]], impl="pallas_segment")
+
+
+def test_cost_model_counts_the_kernel_matmuls():
+    """Per grid step, the MXU FLOPs traced from the kernel math (what experiments/pallas_cost and the
+    pallas_call cost estimates use) equal the closed form: cumsum 2C^2K, off-diagonal decay products 12C^2K,
+    inverse 24C^3 (6 doubling levels x 2 matmuls), W and U 2C^2K + 2C^2V, WS, QgS, Ko^T Vn 6CKV, Aqk Vn 2C^2V."""
+    C, Kd, Vd = 64, 128, 64
+    cost = pallas_common.step_cost("forward", C, Kd, Vd, False, True, pallas_chunk.Fusion())
+    assert cost["mxu_flops"] == 16 * C * C * Kd + 4 * C * C * Vd + 24 * C ** 3 + 6 * C * Kd * Vd
+    safe = pallas_common.step_cost("forward", C, Kd, Vd, True, True, pallas_chunk.Fusion())
+    assert safe["mxu_flops"] == cost["mxu_flops"] + 4 * C * C * Kd     # two factored sub-block matmuls
+    assert safe["transcendentals"] < cost["transcendentals"] / 2       # ... instead of 16 explicit exp steps
 
 
 # --- TPU lowering at the production shape: traced and lowered to Mosaic, never run -----------------------

@@ -133,5 +133,5 @@ class MegatronReferenceTrainer:
                     load = sum(r[4][router] for r in results).float()
                     bias = router.e_score_correction_bias + self.bias_rate * torch.sign(load.mean() - load)
                     router.e_score_correction_bias.copy_(bias - bias.mean())
-        lm_loss = float(sum(r[0] for r in results) / total_count)
+        lm_loss = float(sum(r[0].detach() for r in results) / total_count)
         return {"step": step, "lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr, "loss_tokens": float(total_count)}

@@ -11,6 +11,7 @@ the collectives, so every layout computes the single-device loss.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -38,7 +39,14 @@ def mesh_shape(cfg: ParallelConfig, num_devices: int) -> dict[str, int]:
 
 def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
     """A Mesh over `devices` (default: all) with axes MESH_AXES in that order."""
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:
+        devices = jax.devices()
+        wanted = math.prod(cfg.axis_sizes().values())
+        if wanted > 0 and wanted < len(devices):  # every axis fixed (no -1) and smaller: an explicit sub-mesh
+            logging.getLogger("lingpack.train").warning(
+                "parallel config uses %d of %d devices (set an axis to -1 to use them all)", wanted, len(devices))
+            devices = devices[:wanted]
+    devices = list(devices)
     sizes = mesh_shape(cfg, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
     try:

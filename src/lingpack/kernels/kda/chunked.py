@@ -1,6 +1,6 @@
 """Chunkwise KDA in XLA (the WY form of REFERENCE.md §1), in two packing designs.
 
-Per chunk of C tokens, with G the chunk-local cumsum of g:
+Per chunk of C tokens, with G the cumsum of g within the chunk and the token's segment:
     Akk[c,i] = sum_d k_cd k_id exp(G_cd - G_id)  (i < c)      Aqk[c,i] = sum_d q_cd k_id exp(G_cd - G_id)  (i <= c)
     Tm = (I + beta * Akk)^-1 Diag(beta);  W = Tm (exp(G) K);  U = Tm V
     V' = U - W S;  O = (Q exp(G)) S + Aqk V';  S <- exp(G_last) S + (exp(G_last - G) K)^T V'
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from lingpack.kernels.kda import segments
 
-SUB_CHUNK = 16  # decay products are factored through sub-chunk boundaries; only 16x16 diagonal blocks are explicit
+SUB_CHUNK = 16  # decay products are factored at sub-chunk boundaries (see _decay_products)
 
 
 def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):

@@ -349,7 +349,8 @@ PADDING_GATE_RAW = -1e30  # raw gate of padding/filler tokens: both gate forms m
 
 class Fusion(NamedTuple):
     """Static choice of what the kernel computes from raw inputs (see `gate.py` for the formulas)."""
-    gate: str | None = None     # None: g is the log-decay; "softplus": -a softplus(g + dt); "lower_bound": lb sigmoid(a (g + dt))
+    # None: g is the log-decay; "softplus": -a softplus(g + dt); "lower_bound": lb sigmoid(a (g + dt))
+    gate: str | None = None
     lower_bound: float = -5.0
     qk_l2norm: bool = False
 

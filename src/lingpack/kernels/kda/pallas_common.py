@@ -1,4 +1,5 @@
-"""Plumbing shared by the Pallas KDA kernels: interpret-mode choice, grid settings, per-chunk tables.
+"""Plumbing shared by the Pallas KDA kernels: interpret-mode choice, grid settings, per-chunk tables,
+tile loading with the fused prologue (gate, q/k L2 norm, padding), and the per-step cost model.
 
 Per-token scalars (beta, segment ids) travel as lane-dense tables `[..., NT, C]` whose whole block stays
 in VMEM for a (row, head); a kernel step picks its chunk's row with a one-hot sublane reduction (no
@@ -8,7 +9,6 @@ dynamic indexing). A `[C, 1]` column layout would pad every token to 128 lanes i
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import warnings
 
@@ -22,7 +22,6 @@ from lingpack.kernels.kda.pallas_chunk import iota
 
 f32 = jnp.float32
 
-log = logging.getLogger(__name__)
 _warned = False
 
 
@@ -66,7 +65,8 @@ def from_heads(x_BHTV, T: int):
 
 def check_head_dims(K: int, V: int, chunk_size: int) -> None:
     if chunk_size % 16 or chunk_size < 16:
-        raise ValueError(f"Pallas KDA kernels need chunk_size a multiple of 16 (64 is the tuned value); got {chunk_size}")
+        raise ValueError(f"Pallas KDA kernels need chunk_size a multiple of 16 (64 is the tuned value);"
+                         f" got {chunk_size}")
     for name, d in (("K", K), ("V", V)):
         if d % 8:
             raise ValueError(f"Pallas KDA kernels need the {name} head dim to be a multiple of 8 (64 or 128 on TPU);"
@@ -74,25 +74,43 @@ def check_head_dims(K: int, V: int, chunk_size: int) -> None:
 
 
 class Tiles:
-    """One chunk's tiles loaded from their refs (fp32), passed through the fused prologue (L2 norm, gate)."""
+    """One chunk's tiles loaded from their refs (fp32), passed through the fused prologue (L2 norm, gate).
 
-    def __init__(self, q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion: chunk.Fusion):
+    With `real_row` ([1, C], 1 = real token), padding rows are turned into no-op tokens here (k = v = beta
+    = 0, no decay), so the wrapper needs no masking pass over the inputs; gradients get the same mask.
+    """
+
+    def __init__(self, q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion: chunk.Fusion, real_row=None):
         self.scale, self.fusion = scale, fusion
         self.gate_params = gate_ref[...] if gate_ref is not None else None
-        q, k, g, self.saved = chunk.prologue(q_ref[...].astype(f32), k_ref[...].astype(f32), g_ref[...].astype(f32),
+        self.real_row = real_row
+        self.real_col = None if real_row is None else chunk.row_to_col(real_row)
+        mask = lambda x: x if self.real_col is None else x * self.real_col
+        g = g_ref[...].astype(f32)
+        if self.real_col is not None:
+            g = jnp.where(self.real_col > 0, g, chunk.PADDING_GATE_RAW if fusion.gate else 0.0)
+        q, k, g, self.saved = chunk.prologue(mask(q_ref[...].astype(f32)), mask(k_ref[...].astype(f32)), g,
                                              self.gate_params, fusion)
         self.q, self.k = q, k
-        self.inputs = (q * scale, k, v_ref[...].astype(f32), g, table_row(beta_ref[...].astype(f32), n))
+        beta_row = table_row(beta_ref[...].astype(f32), n)
+        self.inputs = (q * scale, k, mask(v_ref[...].astype(f32)), g,
+                       beta_row if real_row is None else beta_row * real_row)
+
+    def mask_rows(self, x):
+        return x if self.real_col is None else x * self.real_col
 
     def backward(self, dq_scaled, dk, dv, dg, dbeta_row, dS):
         """Chunk gradients -> gradients of the kernel inputs, plus the gate-parameter partial sums (or None)."""
         dq, dk, dg, d_gate = chunk.prologue_backward(self.q, self.k, dq_scaled * self.scale, dk, dg,
                                                      self.gate_params, self.saved, self.fusion)
+        if self.real_row is not None:
+            dq, dk, dv, dg = [self.mask_rows(x) for x in (dq, dk, dv, dg)]
+            dbeta_row = dbeta_row * self.real_row
         return dq, dk, dv, dg, dbeta_row, dS, d_gate
 
 
-def load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion) -> Tiles:
-    return Tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
+def load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion, real_row=None) -> Tiles:
+    return Tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion, real_row)
 
 
 def fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel, safe_gate):
@@ -134,7 +152,8 @@ def jaxpr_cost(jaxpr) -> dict:
         if name == "dot_general":
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             lhs_shape = eqn.invars[0].aval.shape
-            cost["mxu_flops"] += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs_shape[d] for d in lhs_contract)
+            contracted = math.prod(lhs_shape[d] for d in lhs_contract)
+            cost["mxu_flops"] += 2 * math.prod(eqn.outvars[0].aval.shape) * contracted
         elif branches:
             costs = [jaxpr_cost(b.jaxpr) for b in branches]
             for key in cost:

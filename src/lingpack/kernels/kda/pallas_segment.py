@@ -1,12 +1,15 @@
 """Segment-native Pallas TPU KDA ("Alt1" of the seed RFC): segment ids go straight into the kernel.
 
 Rows stay `[B, T]` (any B); T is padded to a chunk multiple, nothing else: no flattening, no phantom
-segments, no alignment. Each kernel step reads its chunk's segment ids and builds the masks of
-`pallas_chunk.segment_masks` (pairs in the same segment, tokens that continue the incoming state's
-segment, tokens of the chunk's last segment), so a document boundary anywhere inside a chunk resets the
-state exactly.
+segments, no alignment. Each kernel step reads its chunk's segment ids from a per-row id table
+`[B, NT, C]` (2 * segment number + real-token bit) and builds the masks of `pallas_chunk.segment_masks`
+(pairs in the same segment, tokens that continue the incoming state's segment, tokens of the chunk's
+last segment), so a document boundary anywhere inside a chunk resets the state exactly; padding tokens
+are made no-ops in the kernel (output 0, no decay, no write).
 
-Kernels (layout `[B, H, T, K]`, one `(C, K)` tile per step; grid `(B, H, NT)`, NT sequential):
+Tiles are `(C, K)`: of the free reshape `[B, T, H*K]` when K and V are multiples of 128 (no transpose
+around the kernels), else of `[B, H, T, K]` (transposed in the wrapper; K = 64 is the full block dim).
+Kernels (grid `(B, H, NT)`: B and H "parallel", the NT chunks "arbitrary", i.e. sequential):
   forward   state `[K, V]` fp32 in VMEM scratch carried over chunks; emits o and the final state.
   states    the forward again, emitting the state entering every chunk `[B, H, NT, K, V]` fp32
             (run by the backward only, so nothing state-sized is kept between forward and backward).
@@ -36,12 +39,15 @@ SEMANTICS = ("parallel", "parallel", "arbitrary")
 
 
 def _segment_masks(ids_ref, n):
-    ids = ids_ref[...].astype(f32)  # ids < 2^24 are exact in fp32, and fp32 reductions lower everywhere
+    """Chunk n's segment masks and real-token row from the table of 2 * (padding-filled id) + (token is real)."""
+    code = ids_ref[...]
+    ids = jax.lax.div(code, 2).astype(f32)   # ids <= T are exact in fp32, and fp32 reductions lower everywhere
     ids_row = table_row(ids, n)
     prev_row = table_row(ids, jnp.maximum(n - 1, 0))
     # The state entering chunk 0 belongs to the row's first segment; later, to the previous chunk's last one.
     prev_last = jnp.where(n == 0, jnp.min(ids_row, axis=1, keepdims=True), jnp.max(prev_row, axis=1, keepdims=True))
-    return chunk.segment_masks(ids_row, prev_last)
+    real_row = table_row(jax.lax.rem(code, 2).astype(f32), n)
+    return chunk.segment_masks(ids_row, prev_last), real_row
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, h0_ref, *refs, scale, safe_gate, fusion,
@@ -58,13 +64,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, h0_ref, *refs
         state_scr[...] = h0_ref[...].astype(f32)
 
     S = state_scr[...]
-    tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
-    o, S_next = chunk.chunk_forward(*tiles.inputs, S, _segment_masks(ids_ref, n), safe_gate)
+    masks, real_row = _segment_masks(ids_ref, n)
+    tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion, real_row)
+    o, S_next = chunk.chunk_forward(*tiles.inputs, S, masks, safe_gate)
     state_scr[...] = S_next
     if emit_states:
         states_ref[...] = S
     else:
-        o_ref[...] = o.astype(o_ref.dtype)
+        o_ref[...] = tiles.mask_rows(o).astype(o_ref.dtype)   # padding outputs 0
 
         @pl.when(n == pl.num_programs(2) - 1)
         def _():
@@ -87,9 +94,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, states_ref, 
         if dgate_ref is not None:
             dgate_ref[...] = jnp.zeros(dgate_ref.shape, dgate_ref.dtype)
 
-    tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
-    grads = chunk.chunk_backward(*tiles.inputs, states_ref[...], do_ref[...].astype(f32), dstate_scr[...],
-                                 _segment_masks(ids_ref, n), safe_gate)
+    masks, real_row = _segment_masks(ids_ref, n)
+    tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion, real_row)
+    grads = chunk.chunk_backward(*tiles.inputs, states_ref[...], tiles.mask_rows(do_ref[...].astype(f32)),
+                                 dstate_scr[...], masks, safe_gate)
     dq, dk, dv, dg, dbeta_row, dS, d_gate = tiles.backward(*grads)
     dstate_scr[...] = dS
     dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -105,10 +113,17 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, states_ref, 
         dh0_ref[...] = dS
 
 
-def _specs(B, H, NT, C, K, V, reverse=False):
-    """BlockSpecs of the chunk tiles and the per-(row, head) tables."""
+def _specs(B, H, NT, C, K, V, heads_minor, reverse=False):
+    """BlockSpecs of the chunk tiles and the per-(row, head) tables.
+
+    heads_minor: tiles of the free reshape [B, T, H*K] (block (C, K), legal when K and V are multiples
+    of 128: no transposes around the kernels); else of [B, H, T, K] (block (C, K) with K the full dim).
+    """
     chunk_of = (lambda n: NT - 1 - n) if reverse else (lambda n: n)
-    tile = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, chunk_of(n), 0))
+    if heads_minor:
+        tile = lambda d: pl.BlockSpec((None, C, d), lambda b, h, n: (b, chunk_of(n), h))
+    else:
+        tile = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, chunk_of(n), 0))
     return dict(
         tile=tile,
         beta=pl.BlockSpec((None, None, NT, C), lambda b, h, n: (b, h, 0, 0)),
@@ -120,17 +135,22 @@ def _specs(B, H, NT, C, K, V, reverse=False):
     )
 
 
+def _dims(q, v, beta_tab):
+    """(B, H, NT, C, K, V, heads_minor) of the kernel operands."""
+    B, H, NT, C = beta_tab.shape
+    heads_minor = q.ndim == 3
+    return B, H, NT, C, (q.shape[-1] // H if heads_minor else q.shape[-1]), (
+        v.shape[-1] // H if heads_minor else v.shape[-1]), heads_minor
+
+
 def _forward_call(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, *, scale, safe_gate, fusion, interpret, emit_states):
-    B, H, Tp, K = q.shape
-    V = v.shape[-1]
-    NT = beta_tab.shape[2]
-    C = Tp // NT
-    s = _specs(B, H, NT, C, K, V)
+    B, H, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
+    s = _specs(B, H, NT, C, K, V, heads_minor)
     if emit_states:
         out_shape = jax.ShapeDtypeStruct((B, H, NT, K, V), f32)
         out_specs = s["per_chunk_state"]
     else:
-        out_shape = (jax.ShapeDtypeStruct((B, H, Tp, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), f32))
+        out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((B, H, K, V), f32))
         out_specs = (s["tile"](V), s["state"])
     in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["ids"], s["state"]]
     args = [q, k, v, g, beta_tab, ids_tab, h0]
@@ -150,11 +170,8 @@ def _forward_call(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, *, scale, safe_ga
 
 def _backward_call(q, k, v, g, beta_tab, ids_tab, states, do, dfinal, gate_tab, *, scale, safe_gate, fusion,
                    interpret):
-    B, H, Tp, K = q.shape
-    V = v.shape[-1]
-    NT = beta_tab.shape[2]
-    C = Tp // NT
-    s = _specs(B, H, NT, C, K, V, reverse=True)
+    B, H, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
+    s = _specs(B, H, NT, C, K, V, heads_minor, reverse=True)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
                  jax.ShapeDtypeStruct(beta_tab.shape, f32), jax.ShapeDtypeStruct((B, H, K, V), f32)]
@@ -178,9 +195,9 @@ def _backward_call(q, k, v, g, beta_tab, ids_tab, states, do, dfinal, gate_tab, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def segment_core(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, scale, safe_gate, fusion, interpret):
-    """Kernel layout in and out: q, k, g [B, H, Tp, K], v [B, H, Tp, V], beta_tab [B, H, NT, C] fp32,
-    ids_tab [B, NT, C] int32 (padding filled), h0 [B, H, K, V] fp32, gate_tab [H, 2, K] fp32 (used with a
-    fused gate) -> (o [B, H, Tp, V], final [B, H, K, V] fp32)."""
+    """Kernel layout in and out: q, k, g [B, Tp, H*K] (or [B, H, Tp, K]), v likewise, beta_tab [B, H, NT, C]
+    fp32, ids_tab [B, NT, C] int32 (2 * padding-filled id + real), h0 [B, H, K, V] fp32, gate_tab [H, 2, K]
+    fp32 (used with a fused gate) -> (o in v's layout, final [B, H, K, V] fp32)."""
     return _forward_call(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, scale=scale, safe_gate=safe_gate, fusion=fusion,
                          interpret=interpret, emit_states=False)
 
@@ -221,18 +238,24 @@ def pallas_segment_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_
     NT = -(-T // chunk_size)
     pad = NT * chunk_size - T
     real = segment_ids_BT != 0
-    # Padding becomes no-op tokens (k = v = g = beta = 0) and keeps its row's last id, so it continues
-    # that segment: the final state is the state after the row's last real token.
-    ids = segments.fill_padding_ids(segment_ids_BT.astype(jnp.int32))
-    ids_tab = jnp.pad(ids, [(0, 0), (0, pad)], mode="edge").reshape(B, NT, chunk_size)
-    no_op = lambda x, fill=0.0: to_heads(jnp.where(real[..., None, None], x, jnp.asarray(fill, x.dtype)), pad, fill)
-    q, k, v = [no_op(x) for x in (q_BTHK, k_BTHK, v_BTHV)]
-    g = no_op(g_BTHK, chunk.PADDING_GATE_RAW if fusion.gate else 0.0)
-    beta = jnp.where(real[..., None], beta_BTH.astype(f32), 0.0)   # beta stays fp32 (the erase strength)
-    beta_tab = jnp.pad(jnp.moveaxis(beta, 2, 1), [(0, 0), (0, 0), (0, pad)]).reshape(B, H, NT, chunk_size)
-    o, final = segment_core(q, k, v, g, beta_tab, ids_tab, initial_state_BHKV.astype(f32), gate_tab, float(scale),
-                            bool(safe_gate), fusion, interpret)
-    return jnp.where(real[..., None, None], from_heads(o, T), 0), final
+    # Each row's segments are renumbered 1, 2, 3... (a running count of segment starts, so any id values work
+    # and stay exact in the kernel's fp32 compares); padding keeps its row's last number and continues that
+    # segment as no-op tokens (made so in the kernel): the final state is the state after the row's last real
+    # token. The tail filler up to a chunk multiple is padding too.
+    numbered = jnp.cumsum(segments.segment_starts(segment_ids_BT), axis=1, dtype=jnp.int32)
+    filled = jnp.pad(numbered, [(0, 0), (0, pad)], mode="edge")
+    ids_tab = (2 * filled + jnp.pad(real.astype(jnp.int32), [(0, 0), (0, pad)])).reshape(B, NT, chunk_size)
+    heads_minor = K % 128 == 0 and V % 128 == 0   # (C, K) tiles of [B, T, H*K]: a free reshape, no transpose
+    if heads_minor:
+        layout = lambda x: jnp.pad(x.reshape(B, T, -1), [(0, 0), (0, pad), (0, 0)]) if pad else x.reshape(B, T, -1)
+    else:
+        layout = lambda x: to_heads(x, pad)
+    beta_tab = jnp.pad(jnp.moveaxis(beta_BTH.astype(f32), 2, 1), [(0, 0), (0, 0), (0, pad)]).reshape(
+        B, H, NT, chunk_size)   # beta stays fp32 (the erase strength)
+    o, final = segment_core(layout(q_BTHK), layout(k_BTHK), layout(v_BTHV), layout(g_BTHK), beta_tab, ids_tab,
+                            initial_state_BHKV.astype(f32), gate_tab, float(scale), bool(safe_gate), fusion, interpret)
+    o = o[:, :T].reshape(B, T, H, V) if heads_minor else from_heads(o, T)
+    return o, final   # padding rows are written as 0 by the kernel
 
 
 api.register("pallas_segment", pallas_segment_kda)

@@ -14,7 +14,8 @@ Per-chunk metadata goes to SMEM as scalar prefetch:
 Final states are per slot `[max_segs + 1, H, K, V]` (FLA's varlen output), written through the
 index_map `slot[n]`; the wrapper reads each row's final state from the slot of its last segment.
 
-Kernels (layout `[H, T_new, K]`, grid `(H, NT)`, NT sequential) mirror `pallas_segment`: forward
+Tiles are `(C, K)` of `[T_new, H*K]` (K, V multiples of 128) or `[H, T_new, K]`. Kernels (grid `(H, NT)`,
+NT sequential) mirror `pallas_segment`: forward
 (o + final slot states), states (state entering every chunk, for the backward), backward (reverse
 chunk order, dstate in VMEM scratch, dh0 per slot at each slot's first chunk). The chunk math is
 `pallas_chunk` without segment masks.
@@ -132,10 +133,15 @@ def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_r
         dstate_scr[...] = dS
 
 
-def _specs(H, NT, C, K, V, reverse=False):
+def _specs(H, NT, C, K, V, heads_minor, reverse=False):
+    """Tiles (C, K) of [T_new, H*K] when K and V are multiples of 128 (no transpose), else of [H, T_new, K]."""
     chunk_of = (lambda n: NT - 1 - n) if reverse else (lambda n: n)
+    if heads_minor:
+        tile = lambda d: pl.BlockSpec((C, d), lambda h, n, *_: (chunk_of(n), h))
+    else:
+        tile = lambda d: pl.BlockSpec((None, C, d), lambda h, n, *_: (h, chunk_of(n), 0))
     return dict(
-        tile=lambda d: pl.BlockSpec((None, C, d), lambda h, n, *_: (h, chunk_of(n), 0)),
+        tile=tile,
         beta=pl.BlockSpec((None, NT, C), lambda h, n, *_: (h, 0, 0)),
         slot_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, *_: (slot[chunk_of(n)], h, 0, 0)),
         row_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, flags, row: (row[chunk_of(n)], h, 0, 0)),
@@ -144,17 +150,22 @@ def _specs(H, NT, C, K, V, reverse=False):
     )
 
 
+def _dims(q, v, beta_tab):
+    """(H, NT, C, K, V, heads_minor) of the kernel operands."""
+    H, NT, C = beta_tab.shape
+    heads_minor = q.ndim == 2
+    return H, NT, C, (q.shape[-1] // H if heads_minor else q.shape[-1]), (
+        v.shape[-1] // H if heads_minor else v.shape[-1]), heads_minor
+
+
 def _forward_call(q, k, v, g, beta_tab, tables, h0_rows, gate_tab, n_slots, *, scale, safe_gate, fusion, interpret,
                   emit_states):
-    H, T_new, K = q.shape
-    V = v.shape[-1]
-    NT = beta_tab.shape[1]
-    C = T_new // NT
-    s = _specs(H, NT, C, K, V)
+    H, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
+    s = _specs(H, NT, C, K, V, heads_minor)
     if emit_states:
         out_shape, out_specs = jax.ShapeDtypeStruct((H, NT, K, V), f32), s["per_chunk_state"]
     else:
-        out_shape = (jax.ShapeDtypeStruct((H, T_new, V), v.dtype), jax.ShapeDtypeStruct((n_slots, H, K, V), f32))
+        out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((n_slots, H, K, V), f32))
         out_specs = (s["tile"](V), s["slot_state"])
     in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["row_state"]]
     args = [q, k, v, g, beta_tab, h0_rows]
@@ -174,11 +185,8 @@ def _forward_call(q, k, v, g, beta_tab, tables, h0_rows, gate_tab, n_slots, *, s
 
 def _backward_call(q, k, v, g, beta_tab, tables, states, do, dfinal_slots, gate_tab, n_rows, *, scale, safe_gate,
                    fusion, interpret):
-    H, T_new, K = q.shape
-    V = v.shape[-1]
-    NT = beta_tab.shape[1]
-    C = T_new // NT
-    s = _specs(H, NT, C, K, V, reverse=True)
+    H, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
+    s = _specs(H, NT, C, K, V, heads_minor, reverse=True)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
                  jax.ShapeDtypeStruct(beta_tab.shape, f32), jax.ShapeDtypeStruct((n_rows, H, K, V), f32)]
@@ -204,9 +212,9 @@ def _backward_call(q, k, v, g, beta_tab, tables, states, do, dfinal_slots, gate_
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14))
 def varlen_core(q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab, n_slots, scale, safe_gate, fusion,
                 interpret):
-    """Kernel layout: q, k, g [H, T_new, K], v [H, T_new, V], beta_tab [H, NT, C] fp32, tables int32 [NT],
+    """Kernel layout: q, k, g [T_new, H*K] (or [H, T_new, K]), v likewise, beta_tab [H, NT, C] fp32, tables int32 [NT],
     h0_rows [B + 1, H, K, V] fp32 (block B zeros), gate_tab [H, 2, K] (fused gate only)
-    -> (o [H, T_new, V], final_slots [n_slots, H, K, V] fp32)."""
+    -> (o in v's layout, final_slots [n_slots, H, K, V] fp32)."""
     return _forward_call(q, k, v, g, beta_tab, ChunkTables(slot, flags, init_row), h0_rows, gate_tab, n_slots,
                          scale=scale, safe_gate=safe_gate, fusion=fusion, interpret=interpret, emit_states=False)
 
@@ -272,17 +280,19 @@ def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_B
     plan, t_new, n_chunks = layout.plan, layout.t_new, layout.n_chunks
     real = segment_ids_BT != 0
 
-    def aligned(x, fill=0.0):
-        """[B, T, H, *] -> [H, T_new, *]: padding and alignment filler become no-op tokens."""
+    heads_minor = K % 128 == 0 and V % 128 == 0   # (C, K) tiles of [T_new, H*K]: the scatter's own layout
+
+    def aligned(x, fill=0.0, heads_minor=heads_minor):
+        """[B, T, H, *] -> [T_new, H*] (or [H, T_new, *]): padding and alignment filler become no-op tokens."""
         fill = jnp.asarray(fill, x.dtype)
         x = jnp.where(real.reshape(B, T, *([1] * (x.ndim - 2))), x, fill)
         flat = x.reshape(total, *x.shape[2:])
         buf = jnp.full((t_new,) + flat.shape[1:], fill, x.dtype).at[plan.dest].set(flat, mode="drop")
-        return jnp.moveaxis(buf, 1, 0)
+        return buf.reshape(t_new, -1) if heads_minor else jnp.moveaxis(buf, 1, 0)
 
     q, k, v = [aligned(x) for x in (q_BTHK, k_BTHK, v_BTHV)]
     g = aligned(g_BTHK, chunk.PADDING_GATE_RAW if fusion.gate else 0.0)
-    beta_tab = aligned(beta_BTH.astype(f32)).reshape(H, n_chunks, chunk_size)   # beta stays fp32
+    beta_tab = aligned(beta_BTH.astype(f32), heads_minor=False).reshape(H, n_chunks, chunk_size)   # fp32
 
     has_segment = plan.row_last_seg >= 0
     h0 = initial_state_BHKV.astype(f32)
@@ -291,7 +301,7 @@ def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_B
 
     o, final_slots = varlen_core(q, k, v, g, beta_tab, *layout.tables, h0_rows, gate_tab, max_segs + 1, float(scale),
                                  bool(safe_gate), fusion, interpret)
-    o_flat = jnp.moveaxis(o, 0, 1)                                        # [T_new, H, V]
+    o_flat = o.reshape(t_new, H, V) if heads_minor else jnp.moveaxis(o, 0, 1)   # [T_new, H, V]
     o_BTHV = jnp.take(o_flat, plan.dest, axis=0, mode="fill", fill_value=0).reshape(B, T, H, V)
     final = jnp.where(has_segment[:, None, None, None], final_slots[jnp.clip(plan.row_last_seg, 0, max_segs - 1)], h0)
     return jnp.where(real[..., None, None], o_BTHV, 0), final

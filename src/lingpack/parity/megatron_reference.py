@@ -3,7 +3,8 @@
 * samples: megatron-core's own `GPTDataset` (BlendedMegatronDatasetBuilder) on the same `.bin/.idx`
   files, seed and split as lingpack's pipeline; global batch k = samples [k*G, (k+1)*G);
 * packing: Megatron's varlen meaning (`cu_seqlens` from EOD: a document ends after its EOD, and every
-  sample ends one) realised literally: transformers' `KimiLinearForCausalLM` runs each document alone;
+  sample ends one) realised literally: transformers' `KimiLinearForCausalLM` runs each document alone,
+  in its own batch row from position 0 (right padding is invisible to a causal model);
 * loss: Megatron's `loss_func` (sum(loss * mask), sum(mask)) per micro-batch, the backward objective
   the mean of micro-batch token means (or the global token mean with `calculate_per_token_loss`), the
   reported `lm loss` token-weighted; MoE router z-loss and the auxiliary-loss-free expert-bias update as
@@ -76,26 +77,30 @@ class MegatronReferenceTrainer:
             router.register_forward_hook(lambda module, args, out: self._captured.append((module, out)))
 
     def _micro_batch(self, samples: list[dict]):
-        """Per-token losses of one micro-batch, every document run alone; returns (sum, count, z_terms, loads)."""
+        """Per-token losses of one micro-batch with every document in its own row, starting at position 0.
+
+        Rows are right-padded to the longest document; the model is causal, so padding after a document
+        cannot change its logits, and padded positions are masked out of the loss and the router statistics.
+        Returns (loss sum, loss count, router z-loss sum per router, real token count, loads per router).
+        """
         torch = self.torch
-        loss_sum = torch.zeros((), dtype=torch.float32)
-        count = torch.zeros((), dtype=torch.float32)
-        z_sum = collections.defaultdict(lambda: torch.zeros((), dtype=torch.float32))
-        loads = collections.defaultdict(lambda: torch.zeros(self.routers[0].num_experts if self.routers else 0))
-        z_tokens = 0
-        for sample in samples:
-            tokens, labels, mask = sample["tokens"], sample["labels"], sample["loss_mask"].float()
-            for start, end in documents(tokens.numpy(), self.data_cfg.eod_id, self.data_cfg.reset_attention_mask):
-                self._captured.clear()
-                logits = self.model(input_ids=tokens[None, start:end]).logits[0].float()  # fp32 logits
-                xent = torch.nn.functional.cross_entropy(logits, labels[start:end], reduction="none")
-                loss_sum = loss_sum + torch.sum(xent * mask[start:end])
-                count = count + torch.sum(mask[start:end])
-                for module, (router_logits, _, topk) in self._captured:
-                    z_sum[module] = z_sum[module] + torch.sum(torch.logsumexp(router_logits, dim=-1) ** 2)
-                    loads[module] = loads[module] + torch.bincount(topk.reshape(-1), minlength=module.num_experts)
-                z_tokens += end - start
-        return loss_sum, count, z_sum, z_tokens, loads
+        docs = [(s["tokens"][a:b], s["labels"][a:b], s["loss_mask"][a:b].float()) for s in samples
+                for a, b in documents(s["tokens"].numpy(), self.data_cfg.eod_id, self.data_cfg.reset_attention_mask)]
+        length = max(len(d[0]) for d in docs)
+        pad = lambda x: torch.nn.functional.pad(x, (0, length - len(x)))
+        tokens = torch.stack([pad(d[0]) for d in docs])
+        labels = torch.stack([pad(d[1]) for d in docs])
+        mask = torch.stack([pad(d[2]) for d in docs])                    # 0 on padding
+        real = torch.stack([pad(torch.ones(len(d[0]))) for d in docs]).bool().reshape(-1)
+        self._captured.clear()
+        logits = self.model(input_ids=tokens).logits.float()             # fp32 logits
+        xent = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 reduction="none").reshape(labels.shape)
+        z_sum, loads = {}, {}
+        for module, (router_logits, _, topk) in self._captured:
+            z_sum[module] = torch.sum(torch.logsumexp(router_logits[real], dim=-1) ** 2)
+            loads[module] = torch.bincount(topk[real].reshape(-1), minlength=module.num_experts)
+        return torch.sum(xent * mask), torch.sum(mask), z_sum, int(real.sum()), loads
 
     def step(self, step: int) -> dict:
         """One optimizer step on global batch `step`; returns Megatron's reported metrics."""

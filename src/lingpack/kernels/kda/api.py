@@ -29,13 +29,16 @@ IMPLS: dict[str, Callable] = {
 SAFE_GATE_MIN = -5.0  # Ling3's lower bound; 15 such steps inside a 16-token sub-chunk stay below exp(88)
 NEEDS_MAX_SEGS = {"chunked_aligned", "pallas_varlen"}
 CHUNKED = {"chunked", "chunked_aligned", "pallas_varlen", "pallas_segment"}
+FUSES_GATE: set[str] = set()  # impls that take the raw gate / raw q, k and apply gate and L2 norm in-kernel
 
 
-def register(name: str, fn: Callable, *, needs_max_segs: bool = False) -> None:
+def register(name: str, fn: Callable, *, needs_max_segs: bool = False, fuses_gate: bool = False) -> None:
     """Add an implementation (used by the Pallas modules) under `name`."""
     IMPLS[name] = fn
     if needs_max_segs:
         NEEDS_MAX_SEGS.add(name)
+    if fuses_gate:
+        FUSES_GATE.add(name)
     CHUNKED.add(name)
 
 
@@ -101,6 +104,11 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
         if impl in NEEDS_MAX_SEGS and segments.is_concrete(segment_ids):
             segments.segment_ids_to_cu_seqlens(segment_ids, max_segs)  # raises on overflow outside jit
 
+    fused = {}
+    if impl in FUSES_GATE and (use_gate_in_kernel or use_qk_l2norm_in_kernel):
+        fused = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        use_gate_in_kernel = use_qk_l2norm_in_kernel = False
     if use_gate_in_kernel:
         g = gate.kda_gate(g, A_log, dt_bias, lower_bound)
         safe_gate = safe_gate or lower_bound is not None
@@ -120,5 +128,6 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
         kwargs["max_segs"] = max_segs
     if impl.startswith("pallas"):
         kwargs["interpret"] = interpret
+    kwargs.update(fused)
     o, final_state = IMPLS[impl](q, k, v, g, beta, **kwargs)
     return o.astype(v.dtype), (final_state if output_final_state else None)

@@ -258,4 +258,4 @@ def pallas_segment_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_
     return o, final   # padding rows are written as 0 by the kernel
 
 
-api.register("pallas_segment", pallas_segment_kda)
+api.register("pallas_segment", pallas_segment_kda, fuses_gate=True)

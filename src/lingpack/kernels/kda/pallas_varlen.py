@@ -307,4 +307,4 @@ def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_B
     return jnp.where(real[..., None, None], o_BTHV, 0), final
 
 
-api.register("pallas_varlen", pallas_varlen_kda, needs_max_segs=True)
+api.register("pallas_varlen", pallas_varlen_kda, needs_max_segs=True, fuses_gate=True)

@@ -76,7 +76,7 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
             "phantom_overhead": _mean(history, overhead_key(rc)),
             "overflow_steps": sum(1 for h in history if float(h.get("overflow", 0)) > 0),
         }
-        summary["packing_parity_rel"] = _packing_parity(rc)["rel_diff"]
+        summary["packing_parity_rel"] = _packing_parity(rc, result.final_model())["rel_diff"]
         if rc.parity.enabled:
             from lingpack.parity.harness import run_parity
             summary.update(run_parity(rc, history, metrics_logger))
@@ -89,13 +89,12 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
         metrics_logger.finish()
 
 
-def _packing_parity(rc: config_lib.RunConfig) -> dict:
-    """Loss of the first real batch packed vs every document alone (the model at its initial weights)."""
+def _packing_parity(rc: config_lib.RunConfig, model) -> dict:
+    """Loss of the first real batch packed vs every document alone, with the trained model."""
     from lingpack.data.pipeline import make_iterator
     from lingpack.parity.packing import packing_parity
-    from lingpack.train.loop import make_model
     batch = next(make_iterator(rc.data, split="train"))
-    return packing_parity(make_model(rc.model, rc.train.seed), batch)
+    return packing_parity(model, batch)
 
 
 def _plots(rc: config_lib.RunConfig, history: list[dict]) -> None:

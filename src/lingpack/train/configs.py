@@ -188,6 +188,9 @@ class TrainConfig:
     nan_policy: "halt" (save a checkpoint of the last good state, then stop with an error message) or
         "skip" (drop the update, keep going). peak_flops_per_device: for the MFU estimate; None looks the
         device kind up in a small table (unknown kinds report mfu 0). progress_bar: tqdm on the console.
+    overflow_policy: a micro-batch with more documents than the aligned kernels' `kda_max_segs` has its
+        overflowing documents dropped by the kernel (never mixed); "warn" logs and counts it, "halt" stops
+        with an error naming the fix.
     """
 
     steps: int = 100
@@ -198,8 +201,10 @@ class TrainConfig:
     peak_flops_per_device: float | None = None
     progress_bar: bool = True
     handle_signals: bool = True
+    overflow_policy: str = "warn"
 
     def __post_init__(self):
+        _choice("TrainConfig", "overflow_policy", self.overflow_policy, ("warn", "halt"))
         _at_least("TrainConfig", "steps", self.steps, 1)
         _at_least("TrainConfig", "micro_batches", self.micro_batches, 1)
         _at_least("TrainConfig", "log_every", self.log_every, 1)

@@ -58,6 +58,11 @@ class TrainResult:
     skipped_steps: int = 0
     checkpoint_steps: list = dataclasses.field(default_factory=list)
     state: object = None      # the final TrainState (sharded arrays)
+    model_def: object = None  # rebuilds the module: `final_model()`
+
+    def final_model(self) -> nnx.Module:
+        """The trained model as an NNX module (parameters in their model dtypes)."""
+        return self.model_def.merge(jax.device_get(self.state.params), jax.device_get(self.state.rest))
 
 
 def make_model(model_cfg, seed: int) -> nnx.Module:
@@ -170,8 +175,12 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                     metrics_callback(step + 1, {k: metrics[k] for k in METRIC_NAMES})
                 if metrics["overflow"]:
                     log.warning("step %d: %d segments beyond kda max_segs=%d were dropped by the kernel; raise "
-                                "model.kda_max_segs (see `python -m lingpack.data.stats`)", step + 1,
+                                "kernel.max_segs (see `python -m lingpack.data.stats`)", step + 1,
                                 metrics["overflow"], metrics["max_segs"])
+                    if train_cfg.overflow_policy == "halt":
+                        raise RuntimeError(f"step {step + 1}: {metrics['overflow']} segments exceeded kda max_segs="
+                                           f"{metrics['max_segs']} (train.overflow_policy=halt); raise kernel.max_segs"
+                                           " or use the segment-native kernel (kernel=chunked)")
                 if metrics["invalid_rows"]:
                     log.warning("step %d: %d rows have decreasing segment ids or padding before real tokens; "
                                 "check the data pipeline", step + 1, metrics["invalid_rows"])
@@ -214,4 +223,4 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
 
     final = {k: history[-1][k] for k in METRIC_NAMES} if history else {}
     last = history[-1]["step"] if history else start
-    return TrainResult(final, history, start, last, preempted, skipped, saved, state)
+    return TrainResult(final, history, start, last, preempted, skipped, saved, state, model_def)

@@ -115,8 +115,8 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
     elif safe_gate and segments.is_concrete(g) and float(jnp.min(g)) < SAFE_GATE_MIN:
         raise ValueError(f"safe_gate=True needs every g >= {SAFE_GATE_MIN}; got min(g) = {float(jnp.min(g)):.3g}."
                          " Use the lower-bound gate or pass safe_gate=False")
-    if use_qk_l2norm_in_kernel:
-        q, k = gate.l2norm(q), gate.l2norm(k)
+    if use_qk_l2norm_in_kernel:  # normalised q, k stay fp32 (as in FLA): rounding them to bf16 costs accuracy
+        q, k = gate.l2norm(q.astype(jnp.float32)), gate.l2norm(k.astype(jnp.float32))
     scale = K ** -0.5 if scale is None else scale
     if initial_state is None:
         initial_state = jnp.zeros((B, H, K, V), jnp.float32)

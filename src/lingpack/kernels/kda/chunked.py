@@ -68,8 +68,9 @@ def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
             G_ref, rows = G_NCK[..., r:r + 1, :], slice(r + 1, None)
             row_ok = (seg_NC[..., rows] == seg_NC[..., r:r + 1])[..., None]
             col_ok = (seg_b[..., j, :] == seg_NC[..., r:r + 1])[..., None]
-            row_decay = jnp.where(row_ok, jnp.exp(jnp.where(row_ok, G_NCK[..., rows, :] - G_ref, 0.0)), 0.0)
-            col_decay = jnp.where(col_ok, jnp.exp(jnp.where(col_ok, G_ref - G_b[..., j, :, :], 0.0)), 0.0)
+            # exp(-inf) = 0 drops other segments' factors; its derivative is 0 too, so gradients stay finite
+            row_decay = jnp.exp(jnp.where(row_ok, G_NCK[..., rows, :] - G_ref, -jnp.inf))
+            col_decay = jnp.exp(jnp.where(col_ok, G_ref - G_b[..., j, :, :], -jnp.inf))
             k_neg_t = jnp.swapaxes(k_b[..., j, :, :] * col_decay, -1, -2)
             col_qk.append((q_NCK[..., rows, :] * row_decay) @ k_neg_t)
             col_kk.append((k_NCK[..., rows, :] * row_decay) @ k_neg_t)
@@ -206,14 +207,15 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
 
     def step(state_BHKV, x):
         v_new = x["u"] - x["w"] @ state_BHKV
-        o = x["q_decay"] @ state_BHKV + x["a_qk"] @ v_new
         decayed = jnp.where(x["keep"][:, None, None, None], x["decay_last"][..., None] * state_BHKV, 0.0)
-        state_BHKV = decayed + jnp.swapaxes(x["k_out"], -1, -2) @ v_new
-        return state_BHKV, o
+        return decayed + jnp.swapaxes(x["k_out"], -1, -2) @ v_new, (state_BHKV, v_new)
 
     pre["keep"] = keep_BN
     chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
-    final_BHKV, o_NBHCV = jax.lax.scan(step, initial_state_BHKV.astype(jnp.float32), chunk_major)
+    carried = {k: chunk_major[k] for k in ("u", "w", "k_out", "decay_last", "keep")}
+    final_BHKV, (states_NBHKV, v_new_NBHCV) = jax.lax.scan(step, initial_state_BHKV.astype(jnp.float32), carried)
+    # Outputs need no recurrence: one batched matmul over all chunks once the entering states are known.
+    o_NBHCV = chunk_major["q_decay"] @ states_NBHKV + chunk_major["a_qk"] @ v_new_NBHCV
     o_BTHV = _from_chunks(jnp.moveaxis(o_NBHCV, 0, 1))[:, :T]
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV
 
@@ -245,15 +247,16 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
         state_1HKV, finals_BHKV = carry
         state_1HKV = jnp.where(x["reset"], init_table[x["init_row"]][None], state_1HKV)
         v_new = x["u"] - x["w"] @ state_1HKV
-        o = x["q_decay"] @ state_1HKV + x["a_qk"] @ v_new
-        state_1HKV = x["decay_last"][..., None] * state_1HKV + jnp.swapaxes(x["k_out"], -1, -2) @ v_new
-        finals_BHKV = jnp.where((row_final_chunk == x["index"])[:, None, None, None], state_1HKV, finals_BHKV)
-        return (state_1HKV, finals_BHKV), o
+        new_state = x["decay_last"][..., None] * state_1HKV + jnp.swapaxes(x["k_out"], -1, -2) @ v_new
+        finals_BHKV = jnp.where((row_final_chunk == x["index"])[:, None, None, None], new_state, finals_BHKV)
+        return (new_state, finals_BHKV), (state_1HKV, v_new)
 
     chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
-    chunk_major.update(reset=plan.chunk_starts_seg, init_row=plan.chunk_init_row, index=jnp.arange(n_chunks))
+    carried = {k: chunk_major[k] for k in ("u", "w", "k_out", "decay_last")}
+    carried.update(reset=plan.chunk_starts_seg, init_row=plan.chunk_init_row, index=jnp.arange(n_chunks))
     init_carry = (jnp.zeros((1, H, K, V), jnp.float32), initial_state_BHKV.astype(jnp.float32))
-    (_, final_BHKV), o_N1HCV = jax.lax.scan(step, init_carry, chunk_major)
+    (_, final_BHKV), (states_N1HKV, v_new_N1HCV) = jax.lax.scan(step, init_carry, carried)
+    o_N1HCV = chunk_major["q_decay"] @ states_N1HKV + chunk_major["a_qk"] @ v_new_N1HCV  # batched, outside the scan
     o_flat = _from_chunks(jnp.moveaxis(o_N1HCV, 0, 1))[0]                  # [T_new, H, V]
     o_BTHV = jnp.take(o_flat, plan.dest, axis=0, mode="fill", fill_value=0.0).reshape(B, T, H, V)
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV

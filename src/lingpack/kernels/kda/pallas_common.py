@@ -53,6 +53,16 @@ def set_table_row(table_ref, n, row):
                                table_ref[...])
 
 
+def store_chunk_grads(refs, n, dq, dk, dv, dg, dbeta_row, d_gate):
+    """Write one chunk's input gradients: refs = (dq, dk, dv, dg, dbeta table, dgate accumulator or None)."""
+    dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dgate_ref = refs
+    for ref, value in ((dq_ref, dq), (dk_ref, dk), (dv_ref, dv), (dg_ref, dg)):
+        ref[...] = value.astype(ref.dtype)
+    set_table_row(dbeta_ref, n, dbeta_row)
+    if dgate_ref is not None:
+        dgate_ref[...] += d_gate
+
+
 def to_heads(x_BTHK, n_pad: int, fill: float = 0.0):
     """[B, T, H, K] -> [B, H, T + n_pad, K] (tail = fill): the kernels' layout, one (C, K) tile per chunk."""
     x = jnp.moveaxis(x_BTHK, 2, 1)

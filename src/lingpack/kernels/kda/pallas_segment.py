@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from lingpack.kernels.kda import api, segments
 from lingpack.kernels.kda import pallas_chunk as chunk
 from lingpack.kernels.kda.pallas_common import (check_head_dims, compiler_params, cost_estimate, from_heads,
-                                                fusion_inputs, load_tiles, resolve_interpret, set_table_row,
+                                                fusion_inputs, load_tiles, resolve_interpret, store_chunk_grads,
                                                 table_row, to_heads)
 
 f32 = jnp.float32
@@ -100,13 +100,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, states_ref, 
                                  dstate_scr[...], masks, safe_gate)
     dq, dk, dv, dg, dbeta_row, dS, d_gate = tiles.backward(*grads)
     dstate_scr[...] = dS
-    dq_ref[...] = dq.astype(dq_ref.dtype)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
-    dg_ref[...] = dg.astype(dg_ref.dtype)
-    set_table_row(dbeta_ref, n, dbeta_row)
-    if dgate_ref is not None:
-        dgate_ref[...] += d_gate
+    store_chunk_grads((dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dgate_ref), n, dq, dk, dv, dg, dbeta_row, d_gate)
 
     @pl.when(step == n_chunks - 1)
     def _():

@@ -34,7 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 from lingpack.kernels.kda import api, segments
 from lingpack.kernels.kda import pallas_chunk as chunk
 from lingpack.kernels.kda.pallas_common import (check_head_dims, compiler_params, cost_estimate, fusion_inputs,
-                                                load_tiles, resolve_interpret, set_table_row)
+                                                load_tiles, resolve_interpret, store_chunk_grads)
 
 f32 = jnp.float32
 FIRST, LAST = 1, 2
@@ -114,13 +114,7 @@ def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_r
     grads = chunk.chunk_backward(*tiles.inputs, states_ref[...], do_ref[...].astype(f32), dS_next, chunk.NO_MASKS,
                                  safe_gate)
     dq, dk, dv, dg, dbeta_row, dS, d_gate = tiles.backward(*grads)
-    dq_ref[...] = dq.astype(dq_ref.dtype)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
-    dg_ref[...] = dg.astype(dg_ref.dtype)
-    set_table_row(dbeta_ref, n, dbeta_row)
-    if dgate_ref is not None:
-        dgate_ref[...] += d_gate
+    store_chunk_grads((dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dgate_ref), n, dq, dk, dv, dg, dbeta_row, d_gate)
     is_first = (flags & FIRST) != 0
 
     @pl.when(is_first)

@@ -62,8 +62,11 @@ def test_matches_fla_naive_per_document(naive, impl, layout):
     assert not np.asarray(o)[seg == 0].any(), "padding positions must output 0"
 
 
-def test_strong_decay_is_finite(naive):
-    """Ling3's lower-bound gate lets g reach -5 per token: exp(-G) over a chunk would overflow fp32."""
+@pytest.mark.parametrize("safe_gate", [False, True])
+def test_strong_decay_is_finite(naive, safe_gate):
+    """Ling3's lower-bound gate lets g reach -5 per token: exp(-G) over a chunk would overflow fp32.
+
+    With `safe_gate` the in-sub-chunk factor reaches exp(4.9 * 15), the factored path's worst regime."""
     rng = np.random.default_rng(1)
     q, k, v, _, beta = make_inputs(rng, 1, 128, 1, 32, 16)
     g = np.full((1, 128, 1, 32), -4.9, np.float32)
@@ -72,7 +75,7 @@ def test_strong_decay_is_finite(naive):
     o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg)
     for impl in ("chunked", "chunked_aligned"):
         o, s = api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=64, max_segs=2,
-                             output_final_state=True)
+                             output_final_state=True, safe_gate=safe_gate)
         assert np.isfinite(np.asarray(o)).all()
         np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(s), s_ref, atol=2e-5, rtol=1e-5)

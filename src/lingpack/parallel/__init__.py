@@ -1,0 +1,1 @@
+"""Context parallelism over the `context` mesh axis (see reorder.py for the token layout contract)."""

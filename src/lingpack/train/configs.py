@@ -188,6 +188,9 @@ class TrainConfig:
     nan_policy: "halt" (save a checkpoint of the last good state, then stop with an error message) or
         "skip" (drop the update, keep going). peak_flops_per_device: for the MFU estimate; None looks the
         device kind up in a small table (unknown kinds report mfu 0). progress_bar: tqdm on the console.
+    eval_every / eval_batches: Megatron's eval_interval / eval_iters: every `eval_every` steps (0 = never)
+        evaluate `eval_batches` global batches of the valid split, and once more at the end of the run;
+        eval_test: also evaluate the test split at the end (when data.split gives it data). See evaluate.py.
     overflow_policy: a micro-batch with more documents than the aligned kernels' `kda_max_segs` has its
         overflowing documents dropped by the kernel (never mixed); "warn" logs and counts it, "halt" stops
         with an error naming the fix.
@@ -202,9 +205,14 @@ class TrainConfig:
     progress_bar: bool = True
     handle_signals: bool = True
     overflow_policy: str = "warn"
+    eval_every: int = 0
+    eval_batches: int = 1
+    eval_test: bool = True
 
     def __post_init__(self):
         _choice("TrainConfig", "overflow_policy", self.overflow_policy, ("warn", "halt"))
+        _at_least("TrainConfig", "eval_every", self.eval_every, 0)
+        _at_least("TrainConfig", "eval_batches", self.eval_batches, 1)
         _at_least("TrainConfig", "steps", self.steps, 1)
         _at_least("TrainConfig", "micro_batches", self.micro_batches, 1)
         _at_least("TrainConfig", "log_every", self.log_every, 1)

@@ -28,8 +28,7 @@ from lingpack.kernels.attention.blockwise import Tiling, blockwise_attention
 from lingpack.parallel.reorder import check_length, inverse_permutation, zigzag_permutation
 from lingpack.parallel.ring import Ring, ring_attention
 from lingpack.parallel.ulysses import ulysses_attention
-
-STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
+from lingpack.train.configs import CONTEXT_STRATEGIES, ParallelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +37,7 @@ class ContextParallel:
 
     strategy: softmax attention's exchange (ring | all_gather | ulysses | usp). ulysses: the USP head
     split U (ring degree = size / U). load_balance: the row is zigzag-reordered (device r holds chunks
-    r and 2N-1-r of 2N) by the data path; False = contiguous shards. batch_axes / head_axis: mesh axes
+    r and 2N-1-r of 2N) by the data path; False = contiguous shards. batch_axes / head_axes: mesh axes
     the batch / head dimension may additionally be sharded over inside shard_map (when they divide).
     """
 
@@ -48,13 +47,24 @@ class ContextParallel:
     load_balance: bool = True
     axis: str = "context"
     batch_axes: tuple = ("data", "fsdp", "expert")
-    head_axis: str | None = "tensor"
+    head_axes: tuple = ("tensor",)
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, mesh: Mesh) -> "ContextParallel | None":
+        """The train loop's CP settings for `mesh` (None when its context axis has one device)."""
+        if mesh.shape.get("context", 1) == 1:
+            return None
+        rules = dict(cfg.rules)
+        as_tuple = lambda a: tuple(a) if isinstance(a, (tuple, list)) else ((a,) if a else ())
+        return cls(mesh, cfg.context_strategy, cfg.context_ulysses, cfg.load_balance,
+                   batch_axes=as_tuple(rules.get("batch")), head_axes=as_tuple(rules.get("heads")))
 
     def __post_init__(self):
         if self.axis not in self.mesh.shape:
             raise ValueError(f"context parallelism needs a mesh axis {self.axis!r}; the mesh has {dict(self.mesh.shape)}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"parallel.context_strategy={self.strategy!r} is not valid; choose one of {STRATEGIES}")
+        if self.strategy not in CONTEXT_STRATEGIES:
+            raise ValueError(f"parallel.context_strategy={self.strategy!r} is not valid; choose one of "
+                             f"{CONTEXT_STRATEGIES}")
         if self.strategy == "usp":
             if self.ulysses < 1 or self.size % self.ulysses:
                 raise ValueError(f"parallel.context_ulysses={self.ulysses} must divide parallel.context={self.size} "
@@ -145,9 +155,10 @@ def context_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, *, cp: ContextPara
     tiling = Tiling(float(scale), True, *(attention_block(cp, T, block),) * 2)
     U, R = cp.degrees
     batch = _axes_that_divide(cp.mesh, cp.batch_axes, B)
-    heads = _axes_that_divide(cp.mesh, (cp.head_axis,) if cp.head_axis else (), H)
+    heads = _axes_that_divide(cp.mesh, cp.head_axes, H)
     x_spec, seg_spec = P(batch, cp.axis, heads, None), P(batch, cp.axis)
-    used = tuple(a for a in (batch if isinstance(batch, tuple) else (batch,)) if a) + (cp.axis,) + ((heads,) if heads else ())
+    flat = lambda a: a if isinstance(a, tuple) else ((a,) if a else ())
+    used = flat(batch) + (cp.axis,) + flat(heads)
 
     def local(q, k, v, seg, index):
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))        # [B, H, T_local, *]

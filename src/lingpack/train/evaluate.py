@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lingpack.data.config import DataConfig
+from lingpack.parallel.context import context_parallel
+from lingpack.parallel.reorder import reorder_batch
 from lingpack.train import loss as loss_lib
 from lingpack.train import sharding as shard_lib
 from lingpack.train.configs import LossConfig, TrainConfig
@@ -36,8 +38,10 @@ def split_sample_counts(train_cfg: TrainConfig, global_batch_size: int) -> dict[
     return {"valid": (train_cfg.steps // train_cfg.eval_every + 1) * per_eval, "test": per_eval}
 
 
-def make_eval_step(model_def, loss_cfg: LossConfig, *, micro_batches: int, mesh=None, rules=None):
-    """Jitted `(params, rest, batch) -> additive loss statistics` of one global batch, forward only."""
+def make_eval_step(model_def, loss_cfg: LossConfig, *, micro_batches: int, mesh=None, rules=None, context=None):
+    """Jitted `(params, rest, batch) -> additive loss statistics` of one global batch, forward only.
+
+    `context`: traced under context parallelism (parallel/context.py); the batch is then in its layout."""
     model_cfg = model_def.config
     moe_z_weight, _ = loss_lib.resolve_moe_weights(loss_cfg, getattr(model_cfg, "moe", None))
     depths = getattr(model_cfg, "mtp_num_layers", 0) or 0
@@ -65,7 +69,11 @@ def make_eval_step(model_def, loss_cfg: LossConfig, *, micro_batches: int, mesh=
         total, _ = jax.lax.scan(body, first, jax.tree.map(lambda v: v[1:], micro))
         return total
 
-    return jax.jit(step)
+    def traced(params, rest, batch):
+        with context_parallel(context):
+            return step(params, rest, batch)
+
+    return jax.jit(traced)
 
 
 STAT_KEYS = ("lm_sum", "lm_tokens", "mtp_sum", "mtp_tokens", "moe_z_sum", "moe_z_tokens")
@@ -93,6 +101,7 @@ class Evaluator:
     eval_step: object
     mesh: object = None
     rules: object = None
+    context: object = None     # parallel.context.ContextParallel: batches are reordered like training's
 
     def evaluate(self, state, index: int) -> dict:
         first = index * self.eval_batches
@@ -102,6 +111,8 @@ class Evaluator:
         total = None
         for b in range(first, first + self.eval_batches):
             batch = self.dataset[b]
+            if self.context is not None and self.context.load_balance:
+                batch = reorder_batch(batch, self.context.size)
             if self.mesh is not None:
                 batch = shard_lib.shard_batch(batch, self.mesh, self.rules)
             stats = self.eval_step(state.params, state.rest, batch)
@@ -123,20 +134,21 @@ def eval_dataset(data_cfg: DataConfig, train_cfg: TrainConfig, split: str):
 
 
 def make_evaluators(model_def, data_cfg: DataConfig, loss_cfg: LossConfig, train_cfg: TrainConfig, *,
-                    mesh=None, rules=None) -> dict[str, Evaluator]:
+                    mesh=None, rules=None, context=None) -> dict[str, Evaluator]:
     """{"valid": ..., "test": ...} for the splits evaluation needs ({} when `train.eval_every` is 0)."""
     if not train_cfg.eval_every:
         return {}
     from lingpack.data.indices import split_bookends
-    step = make_eval_step(model_def, loss_cfg, micro_batches=train_cfg.micro_batches, mesh=mesh, rules=rules)
+    step = make_eval_step(model_def, loss_cfg, micro_batches=train_cfg.micro_batches, mesh=mesh, rules=rules,
+                          context=context)
     # Megatron evaluates the test split only when it owns data (its test dataset is None otherwise).
     has_test = split_bookends(data_cfg.split)[2] is not None
     evaluators = {"valid": Evaluator("valid", eval_dataset(data_cfg, train_cfg, "valid"), train_cfg.eval_batches,
-                                     step, mesh, rules)}
+                                     step, mesh, rules, context)}
     if train_cfg.eval_test and has_test:
         try:
             evaluators["test"] = Evaluator("test", eval_dataset(data_cfg, train_cfg, "test"), train_cfg.eval_batches,
-                                           step, mesh, rules)
+                                           step, mesh, rules, context)
         except ValueError as error:  # a small corpus can leave the (tiny) test share empty: say so, go on
             log.warning("no test evaluation (train.eval_test=false silences this): %s", error.__cause__ or error)
     return evaluators

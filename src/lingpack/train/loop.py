@@ -28,6 +28,8 @@ import numpy as np
 from flax import nnx
 
 from lingpack.data.pipeline import make_iterator
+from lingpack.parallel.context import ContextParallel
+from lingpack.parallel.reorder import check_length, reorder_batch
 from lingpack.train import flops as flops_lib
 from lingpack.train import optim as optim_lib
 from lingpack.train import sharding as shard_lib
@@ -118,6 +120,9 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     mesh = shard_lib.make_mesh(parallel_cfg)
     rules = parallel_cfg.rules
     _check_batch(data_cfg, train_cfg, loss_cfg, mesh, rules)
+    context = ContextParallel.from_config(parallel_cfg, mesh)
+    if context is not None:
+        check_length(data_cfg.seq_length, context.size, context.load_balance)
 
     build = lambda: make_model(model_cfg, train_cfg.seed)
     model_def = ModelDef.from_constructor(build, model_cfg)
@@ -139,8 +144,8 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
         state = jax.jit(init, out_shardings=shardings)()
     start = int(jax.device_get(state.step))
     step_fn = make_train_step(model_def, loss_cfg, optim_cfg, micro_batches=train_cfg.micro_batches, mesh=mesh,
-                              rules=rules, shardings=shardings)
-    evaluators = make_evaluators(model_def, data_cfg, loss_cfg, train_cfg, mesh=mesh, rules=rules)
+                              rules=rules, shardings=shardings, context=context)
+    evaluators = make_evaluators(model_def, data_cfg, loss_cfg, train_cfg, mesh=mesh, rules=rules, context=context)
 
     peak = train_cfg.peak_flops_per_device or flops_lib.peak_flops_per_device()
     step_flops = flops_lib.flops_per_token(model_cfg, data_cfg.seq_length) * data_cfg.global_batch_size * data_cfg.seq_length
@@ -168,13 +173,16 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 except StopIteration:
                     raise RuntimeError(f"the data ran out after {step} batches (steps={train_cfg.steps}); raise "
                                        "data.num_samples / num_epochs or lower train.steps") from None
+                fingerprint = _fingerprint(local)
+                if context is not None and context.load_balance:  # once per batch, every array (parallel/)
+                    local = reorder_batch(local, context.size)
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, shard_lib.shard_batch(local, mesh, rules))
                 metrics = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
                 dt = time.perf_counter() - t0
                 metrics.update(step=step + 1, step_time_s=dt, tokens_per_s=metrics["tokens"] / dt,
                                mfu=step_flops / dt / (peak * jax.device_count()) if peak else 0.0,
-                               data_fingerprint=_fingerprint(local))
+                               data_fingerprint=fingerprint)
                 evaluated = {}
                 if evaluators and (step + 1) % train_cfg.eval_every == 0:  # Megatron's eval_interval
                     evaluated = evaluators["valid"].evaluate(state, (step + 1) // train_cfg.eval_every - 1)

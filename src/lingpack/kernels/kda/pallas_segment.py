@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lingpack.kernels.kda import api, segments
+from lingpack.kernels.kda import api, pallas_shard, segments
 from lingpack.kernels.kda import pallas_chunk as chunk
 from lingpack.kernels.kda.pallas_common import (check_head_dims, compiler_params, cost_estimate, from_heads,
                                                 fusion_inputs, load_tiles, resolve_interpret, store_chunk_grads,
@@ -252,4 +252,4 @@ def pallas_segment_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_
     return o, final   # padding rows are written as 0 by the kernel
 
 
-api.register("pallas_segment", pallas_segment_kda, fuses_gate=True)
+api.register("pallas_segment", pallas_shard.over_mesh(pallas_segment_kda), fuses_gate=True)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lingpack.kernels.kda import api, segments
+from lingpack.kernels.kda import api, pallas_shard, segments
 from lingpack.kernels.kda import pallas_chunk as chunk
 from lingpack.kernels.kda.pallas_common import (check_head_dims, compiler_params, cost_estimate, fusion_inputs,
                                                 load_tiles, resolve_interpret, store_chunk_grads)
@@ -301,4 +301,4 @@ def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_B
     return jnp.where(real[..., None, None], o_BTHV, 0), final
 
 
-api.register("pallas_varlen", pallas_varlen_kda, needs_max_segs=True, fuses_gate=True)
+api.register("pallas_varlen", pallas_shard.over_mesh(pallas_varlen_kda), needs_max_segs=True, fuses_gate=True)

@@ -33,8 +33,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lingpack.kernels.kda import api, pallas_shard, segments
 from lingpack.kernels.kda import pallas_chunk as chunk
-from lingpack.kernels.kda.pallas_common import (check_head_dims, compiler_params, cost_estimate, fusion_inputs,
-                                                load_tiles, resolve_interpret, store_chunk_grads)
+from lingpack.kernels.kda.pallas_common import (TABLE_ROWS, check_head_dims, compiler_params,
+                                                cost_estimate, fusion_inputs, load_tiles, resolve_interpret,
+                                                store_chunk_grads, table_rows)
 
 f32 = jnp.float32
 FIRST, LAST = 1, 2
@@ -82,7 +83,7 @@ def _forward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_re
 
     S = state_scr[...]
     tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
-    o, S_next = chunk.chunk_forward(*tiles.inputs, S, chunk.NO_MASKS, safe_gate)
+    o, S_next = chunk.chunk_forward(*tiles.inputs, S, chunk.NO_MASKS, safe_gate, fusion.bulk)
     state_scr[...] = S_next
     if emit_states:
         states_ref[...] = S
@@ -104,7 +105,7 @@ def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_r
     @pl.when(step == 0)
     def _():
         dstate_scr[...] = jnp.zeros(dstate_scr.shape, f32)
-        dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, dbeta_ref.dtype)
+        dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, dbeta_ref.dtype)   # the last block's rows past NT stay 0
         if dgate_ref is not None:
             dgate_ref[...] = jnp.zeros(dgate_ref.shape, dgate_ref.dtype)
 
@@ -112,7 +113,7 @@ def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_r
     dS_next = dstate_scr[...] + is_last * dfinal_ref[...]
     tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
     grads = chunk.chunk_backward(*tiles.inputs, states_ref[...], do_ref[...].astype(f32), dS_next, chunk.NO_MASKS,
-                                 safe_gate)
+                                 safe_gate, fusion.bulk)
     dq, dk, dv, dg, dbeta_row, dS, d_gate = tiles.backward(*grads)
     store_chunk_grads((dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dgate_ref), n, dq, dk, dv, dg, dbeta_row, d_gate)
     is_first = (flags & FIRST) != 0
@@ -136,7 +137,7 @@ def _specs(H, NT, C, K, V, heads_minor, reverse=False):
         tile = lambda d: pl.BlockSpec((None, C, d), lambda h, n, *_: (h, chunk_of(n), 0))
     return dict(
         tile=tile,
-        beta=pl.BlockSpec((None, NT, C), lambda h, n, *_: (h, 0, 0)),
+        beta=pl.BlockSpec((None, TABLE_ROWS, C), lambda h, n, *_: (h, jax.lax.div(chunk_of(n), TABLE_ROWS), 0)),
         slot_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, *_: (slot[chunk_of(n)], h, 0, 0)),
         row_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, flags, row: (row[chunk_of(n)], h, 0, 0)),
         per_chunk_state=pl.BlockSpec((None, None, K, V), lambda h, n, *_: (h, chunk_of(n), 0, 0)),
@@ -146,8 +147,9 @@ def _specs(H, NT, C, K, V, heads_minor, reverse=False):
 
 def _dims(q, v, beta_tab):
     """(H, NT, C, K, V, heads_minor) of the kernel operands."""
-    H, NT, C = beta_tab.shape
+    H, _, C = beta_tab.shape
     heads_minor = q.ndim == 2
+    NT = q.shape[-2] // C
     return H, NT, C, (q.shape[-1] // H if heads_minor else q.shape[-1]), (
         v.shape[-1] // H if heads_minor else v.shape[-1]), heads_minor
 
@@ -170,7 +172,8 @@ def _forward_call(q, k, v, g, beta_tab, tables, h0_rows, gate_tab, n_slots, *, s
                                              out_specs=out_specs, scratch_shapes=[pltpu.VMEM((K, V), f32)])
     return pl.pallas_call(
         functools.partial(_forward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion, emit_states=emit_states),
-        grid_spec=grid_spec, out_shape=out_shape, compiler_params=compiler_params(*SEMANTICS),
+        grid_spec=grid_spec, out_shape=out_shape,
+        compiler_params=compiler_params(SEMANTICS, in_specs, args, out_specs, out_shape, C, K, V),
         cost_estimate=cost_estimate("states" if emit_states else "forward", H * NT, C, K, V, safe_gate, False,
                                     fusion, args, out_shape),
         interpret=interpret, name="kda_varlen_states" if emit_states else "kda_varlen_fwd",
@@ -197,7 +200,8 @@ def _backward_call(q, k, v, g, beta_tab, tables, states, do, dfinal_slots, gate_
                                              out_specs=tuple(out_specs), scratch_shapes=[pltpu.VMEM((K, V), f32)])
     return pl.pallas_call(
         functools.partial(_backward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion),
-        grid_spec=grid_spec, out_shape=tuple(out_shape), compiler_params=compiler_params(*SEMANTICS),
+        grid_spec=grid_spec, out_shape=tuple(out_shape),
+        compiler_params=compiler_params(SEMANTICS, in_specs, args, out_specs, out_shape, C, K, V),
         cost_estimate=cost_estimate("backward", H * NT, C, K, V, safe_gate, False, fusion, args, out_shape),
         interpret=interpret, name="kda_varlen_bwd",
     )(*tables, *args)
@@ -206,7 +210,7 @@ def _backward_call(q, k, v, g, beta_tab, tables, states, do, dfinal_slots, gate_
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14))
 def varlen_core(q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab, n_slots, scale, safe_gate, fusion,
                 interpret):
-    """Kernel layout: q, k, g [T_new, H*K] (or [H, T_new, K]), v likewise, beta_tab [H, NT, C] fp32, tables int32 [NT],
+    """Kernel layout: q, k, g [T_new, H*K] (or [H, T_new, K]), v likewise, beta_tab [H, NT8, C] fp32, tables int32 [NT],
     h0_rows [B + 1, H, K, V] fp32 (block B zeros), gate_tab [H, 2, K] (fused gate only)
     -> (o in v's layout, final_slots [n_slots, H, K, V] fp32)."""
     return _forward_call(q, k, v, g, beta_tab, ChunkTables(slot, flags, init_row), h0_rows, gate_tab, n_slots,
@@ -260,7 +264,7 @@ def aligned_layout(segment_ids_BT, max_segs: int, chunk_size: int) -> AlignedLay
 
 def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale, initial_state_BHKV,
                       max_segs, chunk_size=64, safe_gate=False, interpret=None, use_gate_in_kernel=False, A_log=None,
-                      dt_bias=None, lower_bound=None, use_qk_l2norm_in_kernel=False):
+                      dt_bias=None, lower_bound=None, use_qk_l2norm_in_kernel=False, precision=None):
     """`api.chunk_kda(impl="pallas_varlen")`: same arguments and semantics as `chunked.chunked_aligned`; the
     fused gate / L2 norm options as in `pallas_segment.pallas_segment_kda`."""
     interpret = resolve_interpret(interpret)
@@ -268,7 +272,7 @@ def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_B
     V = v_BTHV.shape[-1]
     check_head_dims(K, V, chunk_size)
     fusion, gate_tab, safe_gate = fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                                                use_qk_l2norm_in_kernel, safe_gate)
+                                                use_qk_l2norm_in_kernel, safe_gate, precision, v_BTHV.dtype)
     total = B * T
     layout = aligned_layout(segment_ids_BT, max_segs, chunk_size)
     plan, t_new, n_chunks = layout.plan, layout.t_new, layout.n_chunks
@@ -287,6 +291,7 @@ def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_B
     q, k, v = [aligned(x) for x in (q_BTHK, k_BTHK, v_BTHV)]
     g = aligned(g_BTHK, chunk.PADDING_GATE_RAW if fusion.gate else 0.0)
     beta_tab = aligned(beta_BTH.astype(f32), heads_minor=False).reshape(H, n_chunks, chunk_size)   # fp32
+    beta_tab = jnp.pad(beta_tab, [(0, 0), (0, table_rows(n_chunks) - n_chunks), (0, 0)])
 
     has_segment = plan.row_last_seg >= 0
     h0 = initial_state_BHKV.astype(f32)

@@ -92,12 +92,14 @@ def test_precision_policy_keeps_only_the_cumsum_and_wy_inverse_in_fp32(dtype, pr
     dots = dot_precisions(fwd)
     fp32 = [d for d in dots if d[0] == "float32"]
     assert all(p == jax.lax.Precision.HIGHEST for _, p in fp32)
-    # the chunk cumsum (1 matmul) and the inverse's block doubling (2 per level, log2(C) levels) stay fp32
-    assert len(fp32) == (1 + 2 * int(math.log2(C)) if bulk else len(dots))
+    # per head: the chunk cumsum (1 matmul) and the inverse's block doubling (2 per level, log2(C) levels) stay fp32
+    heads = pallas_common.heads_per_step(1, H)
+    assert heads == 2    # H=4 heads, B=1: two per step leave a leading parallel axis of 2
+    assert len(fp32) == (heads * (1 + 2 * int(math.log2(C))) if bulk else len(dots))
     assert all(d == ("bfloat16", jax.lax.Precision.DEFAULT) for d in dots if d[0] != "float32")
     per_step = pallas_common.jaxpr_cost(fwd.params["jaxpr"])
     assert per_step["mxu_pass_flops"] == (6 * per_step["mxu_flops"] if not bulk else
-                                          per_step["mxu_flops"] + 5 * (2 * C * C * K + 24 * C ** 3))
+                                          per_step["mxu_flops"] + 5 * heads * (2 * C * C * K + 24 * C ** 3))
 
 
 def test_unknown_precision_names_the_choices():

@@ -62,7 +62,7 @@ def test_fwd_and_grad_export_for_tpu_on_data_x_tensor_mesh(impl):
     export = lambda f: jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
     design = impl.removeprefix("pallas_")
     for module, kernels in ((export(forward), {"fwd"}), (export(jax.grad(loss, argnums=(0, 1, 2, 3, 4))),
-                                                         {"states", "bwd"})):
+                                                         {"fwd", "states", "bwd"})):
         assert {f"kda_{design}_{k}" for k in kernels} == set(re.findall(rf"kda_{design}_\w+", module))
         assert 'manual_axes={"data", "tensor"}' in module and "tensor<1x4096x4x128xbf16>" in module
     if impl == "pallas_segment":   # the same kernel without the wrapper cannot be partitioned by XLA

@@ -269,8 +269,9 @@ class Intra(NamedTuple):
 
 
 def intra_chunk(q, k, v, g, beta_row, masks: ChunkMasks, safe_gate: bool = False,
-                sb_out: list | None = None, bulk=None) -> Intra:
-    """q already scaled; all inputs fp32: q, k, g [C, K], v [C, V], beta_row [1, C]."""
+                sb_out: list | None = None, bulk=None, inverse=None) -> Intra:
+    """q already scaled; all inputs fp32: q, k, g [C, K], v [C, V], beta_row [1, C]. `inverse`: X saved by
+    an earlier pass over the same chunk (then A_kk feeds only dbeta, and a kernel that needs no dbeta drops it)."""
     C = q.shape[0]
     r, c = iota((C, C), 0), iota((C, C), 1)
     G = mm((r >= c).astype(f32), g)  # cumsum as a matmul: Mosaic has no cumsum; HIGHEST keeps it fp32-exact
@@ -282,7 +283,7 @@ def intra_chunk(q, k, v, g, beta_row, masks: ChunkMasks, safe_gate: bool = False
         A_qk = jnp.where(masks.same, A_qk, 0.0)
         A_kk = jnp.where(masks.same, A_kk, 0.0)
     beta_col = row_to_col(beta_row)
-    X = unit_lower_inverse(beta_col * A_kk)
+    X = unit_lower_inverse(beta_col * A_kk) if inverse is None else inverse
     Tm = X * beta_row
     eG = jnp.exp(G)                                  # exponent <= 0
     kg = k * eG
@@ -295,20 +296,23 @@ def intra_chunk(q, k, v, g, beta_row, masks: ChunkMasks, safe_gate: bool = False
                  Ko=_mask_rows(k * jnp.exp(G_last - G), masks.inlast), decay=decay)
 
 
-def chunk_forward(q, k, v, g, beta_row, S, masks: ChunkMasks = NO_MASKS, safe_gate: bool = False, bulk=None):
-    """(O [C, V], S' [K, V]) for incoming state S [K, V] (kept fp32: only its matmul operand is rounded)."""
-    it = intra_chunk(q, k, v, g, beta_row, masks, safe_gate, bulk=bulk)
+def chunk_forward(q, k, v, g, beta_row, S, masks: ChunkMasks = NO_MASKS, safe_gate: bool = False, bulk=None,
+                  inverse=None):
+    """(O [C, V], S' [K, V], X [C, C]) for incoming state S [K, V] (kept fp32: only its matmul operand is
+    rounded); X is the chunk's WY inverse (given as `inverse` when saved, else computed)."""
+    it = intra_chunk(q, k, v, g, beta_row, masks, safe_gate, bulk=bulk, inverse=inverse)
     v_new = it.U - mm(it.W, S, bulk)
     o = mm(it.Qg, S, bulk) + mm(it.A_qk, v_new, bulk)
-    return o, it.decay * S + mm_tn(it.Ko, v_new, bulk)
+    return o, it.decay * S + mm_tn(it.Ko, v_new, bulk), it.X
 
 
 def chunk_backward(q, k, v, g, beta_row, S, dO, dS_next, masks: ChunkMasks = NO_MASKS, safe_gate: bool = False,
-                   bulk=None):
-    """Recompute the chunk from its inputs and incoming state S; return (dq, dk, dv, dg, dbeta_row, dS)."""
+                   bulk=None, inverse=None):
+    """Recompute the chunk from its inputs, incoming state S and (if saved) its WY inverse; return
+    (dq, dk, dv, dg, dbeta_row, dS)."""
     C, K = q.shape
     sbs = []
-    it = intra_chunk(q, k, v, g, beta_row, masks, safe_gate, sb_out=sbs, bulk=bulk)
+    it = intra_chunk(q, k, v, g, beta_row, masks, safe_gate, sb_out=sbs, bulk=bulk, inverse=inverse)
     sb = sbs[0]
     v_new = it.U - mm(it.W, S, bulk)
     d_vnew = mm_tn(it.A_qk, dO, bulk) + mm(it.Ko, dS_next, bulk)

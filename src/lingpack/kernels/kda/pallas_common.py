@@ -16,6 +16,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -72,12 +73,24 @@ def vmem_limit(budget: int) -> int:
     return min(VMEM_CAP, max(VMEM_DEFAULT, -(-3 * budget // 2 // 2**20) * 2**20))
 
 
-def compiler_params(semantics, in_specs, args, out_specs, out_shape, C: int, K: int, V: int):
-    """Mosaic params: dimension semantics and the VMEM limit from the kernel's blocks and its [K, V] fp32 state
-    scratch (see `vmem_budget`)."""
+def compiler_params(semantics, in_specs, args, out_specs, out_shape, C: int, K: int, V: int, heads: int = 1):
+    """Mosaic params: dimension semantics and the VMEM limit from the kernel's blocks and its [heads, K, V]
+    fp32 state scratch (see `vmem_budget`; temporaries counted per head, as if no head's were freed)."""
     blocks = blocks_of(in_specs, args) + blocks_of(jax.tree.leaves(out_specs), jax.tree.leaves(out_shape))
-    budget = vmem_budget(blocks, [((K, V), f32)], C, K, V)
+    budget = vmem_budget(blocks, [((heads, K, V), f32)], C, K, V) + (heads - 1) * vmem_budget([], [], C, K, V)
     return pltpu.CompilerParams(dimension_semantics=tuple(semantics), vmem_limit_bytes=vmem_limit(budget))
+
+
+MAX_HEADS_PER_STEP = 4
+
+
+def heads_per_step(B: int, H: int) -> int:
+    """Heads one grid step processes: the most (up to 4) dividing H that still leave the leading parallel axis
+    B * H / heads >= 2, so both TensorCores of a megacore chip get work."""
+    for heads in range(min(H, MAX_HEADS_PER_STEP), 0, -1):
+        if H % heads == 0 and (B * H // heads >= 2 or heads == 1):
+            return heads
+    return 1
 
 
 def table_row(table, n):
@@ -252,16 +265,18 @@ def step_cost(kind: str, C: int, K: int, V: int, safe_gate: bool, masked: bool, 
     """Cost of one grid step of a `kind` in {forward, states, backward} kernel, from the traced chunk math."""
     t = lambda *shape: jax.ShapeDtypeStruct(shape, f32)
 
-    def step(q, k, v, g, beta_row, S, dO, dS, gate_params, ids_row, prev_last):
+    def step(q, k, v, g, beta_row, S, dO, dS, gate_params, ids_row, prev_last, X):
         masks = chunk.segment_masks(ids_row, prev_last) if masked else chunk.NO_MASKS
         qn, kn, g, saved = chunk.prologue(q, k, g, gate_params, fusion)
-        if kind != "backward":
+        if kind == "forward":   # computes (and saves) the WY inverse
             return chunk.chunk_forward(qn, kn, v, g, beta_row, S, masks, safe_gate, fusion.bulk)
-        grads = chunk.chunk_backward(qn, kn, v, g, beta_row, S, dO, dS, masks, safe_gate, fusion.bulk)
+        if kind == "states":    # the saved inverse in, only the state out
+            return chunk.chunk_forward(qn, kn, v, g, beta_row, S, masks, safe_gate, fusion.bulk, inverse=X)[1]
+        grads = chunk.chunk_backward(qn, kn, v, g, beta_row, S, dO, dS, masks, safe_gate, fusion.bulk, inverse=X)
         return chunk.prologue_backward(qn, kn, grads[0], grads[1], grads[3], gate_params, saved, fusion), grads
     jaxpr = jax.make_jaxpr(step)(t(C, K), t(C, K), t(C, V), t(C, K), t(1, C), t(K, V), t(C, V), t(K, V), t(2, K),
-                                 t(1, C), t(1, 1))
-    return jaxpr_cost(jaxpr.jaxpr)
+                                 t(1, C), t(1, 1), t(C, C))
+    return jaxpr_cost(pe.dce_jaxpr(jaxpr.jaxpr, [True] * len(jaxpr.out_avals))[0])   # what is computed for the outputs
 
 
 def cost_estimate(kind, steps, C, K, V, safe_gate, masked, fusion, args, out_shapes) -> pl.CostEstimate:

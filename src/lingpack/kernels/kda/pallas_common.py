@@ -262,7 +262,7 @@ def jaxpr_cost(jaxpr) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def step_cost(kind: str, C: int, K: int, V: int, safe_gate: bool, masked: bool, fusion: chunk.Fusion) -> dict:
-    """Cost of one grid step of a `kind` in {forward, states, backward} kernel, from the traced chunk math."""
+    """Cost of one chunk of one head in a `kind` (forward, states, backward) kernel, from the traced chunk math."""
     t = lambda *shape: jax.ShapeDtypeStruct(shape, f32)
 
     def step(q, k, v, g, beta_row, S, dO, dS, gate_params, ids_row, prev_last, X):

@@ -92,7 +92,7 @@ def _poison_iterator(monkeypatch, bad_step):
 
 def test_nan_halts_after_checkpoint(tmp_path, monkeypatch, straight):
     _poison_iterator(monkeypatch, bad_step=4)
-    with pytest.raises(loop_lib.NonFiniteLossError, match="non-finite loss at step 4") as err:
+    with pytest.raises(loop_lib.NonFiniteLossError, match="step 4: non-finite loss") as err:
         _train(tmp_path, train=dataclasses.replace(TRAIN, nan_policy="halt"))
     assert err.value.checkpoint_step == 3
     assert [h["finite"] for h in err.value.history] == [1, 1, 1, 0]

@@ -124,6 +124,18 @@ def segment_ids_to_cu_seqlens(segment_ids: jax.Array, max_segs: int) -> tuple[ja
     return cu_seqlens, count
 
 
+def fits_max_segs(segment_ids: jax.Array, max_segs: int) -> jax.Array:
+    """bool [B, T]: the token belongs to one of the first `max_segs` segments of the flattened batch.
+
+    These are the segments the aligned kernels give a cu_seqlens slot; the rest (the tail of the
+    flattened stream: the end of one row and every row after it) overflow. Padding follows the
+    segment before it. Traceable; the training step turns the overflow into padding before the model.
+    """
+    B, T = segment_ids.shape
+    rank = jnp.cumsum(segment_starts(segment_ids).reshape(-1)).reshape(B, T)  # 1-based segment index
+    return rank <= max_segs
+
+
 def aligned_length(total_tokens: int, max_segs: int, chunk_size: int) -> int:
     """Static buffer length when each of at most `max_segs` spans is padded up to a chunk boundary.
 

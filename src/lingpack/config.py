@@ -192,6 +192,16 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int =
     return -(-vocab_size // multiple) * multiple
 
 
+def _blend_samples(data: DataConfig, train: TrainConfig) -> DataConfig:
+    """A weighted blend needs a sample count: Megatron's, train iterations x global batch size, unless set."""
+    from lingpack.data.indices import parse_blend
+    if data.source != "megatron" or not data.paths or data.num_samples or data.num_epochs:
+        return data
+    if parse_blend(data.paths)[1] is None:
+        return data
+    return dataclasses.replace(data, num_samples=train.steps * data.global_batch_size)
+
+
 def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tensor_parallel: int = 1) -> Ling3Config:
     """The `model` group (+ the kernel) -> Ling3Config; `vocab_size: null` follows the data's vocabulary."""
     values = dict(values)
@@ -223,11 +233,13 @@ def build(cfg: dict, run_dir: str) -> RunConfig:
                           " would index past the embedding; raise model.vocab_size or set it to null (follow the data)")
     train_values = dict(cfg.get("train") or {})
     train_values.setdefault("seed", cfg.get("seed", 0))
+    train = make(TrainConfig, train_values, "train")
+    data = _blend_samples(data, train)
     optim_values = dict(cfg.get("optim") or {})
     return RunConfig(
         name=str(cfg.get("name", "run")), seed=int(cfg.get("seed", 0)), model=model, kernel=kernel, data=data,
         loss=make(LossConfig, cfg.get("loss"), "loss"), optim=make(OptimConfig, optim_values, "optim"),
         parallel=parallel,
         checkpoint=make(CheckpointConfig, cfg.get("checkpoint"), "checkpoint"),
-        train=make(TrainConfig, train_values, "train"), logger=make(LoggerConfig, cfg.get("logger"), "logger"),
+        train=train, logger=make(LoggerConfig, cfg.get("logger"), "logger"),
         parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir)

@@ -16,8 +16,9 @@ Conventions chosen here (documented because the seed RFC's algorithm differs):
   `cu_seqlens[-1] == B*T` as FLA requires and never changes a real token's result;
 * on overflow (`num_segments > max_segs`) `cu_seqlens[max_segs]` is the start of the first segment
   that did not fit, so the overflowing tokens lie outside every span: they are dropped, never merged
-  into the last slot. Eagerly this raises; under jit the count is returned and `packing_stats`
-  reports `overflow` for the training loop to log or halt on.
+  into the last slot (their outputs are zero). Eagerly this raises; under jit the count is returned.
+  The training step never lets it come to that: `fits_max_segs` marks the documents that fit, and
+  `train.step.drop_overflow` makes the rest padding before the model runs (out of loss and gradients).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def records(run_dir: Path) -> list:
 
 def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*FAST, f"hydra.run.dir={run_dir}"]
+    args = [*FAST, "train.eval_every=2", "train.eval_batches=1", f"hydra.run.dir={run_dir}"]
     first = subprocess.Popen(command([*args, "train.steps=500"], tmp_path), cwd=tmp_path, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 900
@@ -73,6 +73,9 @@ def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     assert summary["status"] == "completed" and summary["steps"] == k + 2
     assert summary["first_lm_loss"] == logged[0]["lm_loss"] and summary["dropped_documents"] == 0
     assert summary["packing_parity_rel"] < 1e-5
+    assert [r["step"] for r in logged if "val_lm_loss" in r] == list(range(2, k + 3, 2))  # both tries' evaluations
+    assert summary["val_lm_loss"] > 0 and summary["test_lm_loss"] > 0 and summary["val_ppl"] > 1
+    assert "on test set |" in proc.stdout
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "metrics.csv").read_text().count("\n") == k + 3   # header + one row per step
     run_ids = {p.name.rsplit("-", 1)[-1] for p in run_dir.glob("wandb/offline-run-*")}
@@ -82,7 +85,7 @@ def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
 
 def test_overflowing_sweep_finishes_with_its_summary(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_py(["-m", *FAST, "train.steps=2", "kernel=chunked_aligned", "kernel.max_segs=2,16",
+    proc = run_py(["-m", *FAST, "train.steps=2", "train.eval_every=0", "kernel=chunked_aligned", "kernel.max_segs=2,16",
                    "checkpoint.enabled=false", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}"],
                   tmp_path)
     jobs = [sweep / "0", sweep / "1"]

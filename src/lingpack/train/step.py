@@ -31,6 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lingpack.kernels.kda import api as kda_api
 from lingpack.kernels.kda.segments import fits_max_segs, packing_stats, segment_starts
+from lingpack.parallel.context import ContextParallel, context_parallel
+from lingpack.parallel.reorder import restore_order, zigzag_permutation
 from lingpack.train import loss as loss_lib
 from lingpack.train import sharding as shard_lib
 from lingpack.train.configs import LossConfig, OptimConfig
@@ -126,30 +128,37 @@ def kernel_max_segs(model_cfg) -> int | None:
     return getattr(model_cfg, "kda_max_segs", None)
 
 
-def drop_overflow(batch: dict, max_segs: int | None) -> tuple[dict, dict]:
+def drop_overflow(batch: dict, max_segs: int | None, context: ContextParallel | None = None) -> tuple[dict, dict]:
     """(batch with the documents beyond `max_segs` made padding, their counts) for [..., B, T] arrays.
 
     Each leading index is one micro-batch (the unit the kernel flattens). Dropped documents get segment
     id 0 in `inputs_segmentation` (no kernel slot, no MoE statistics, no attention) and in
     `targets_segmentation` (no loss); they are the tail of the flattened micro-batch, so the ids stay valid.
+    Under zigzag context parallelism (`context.load_balance`) the tail is found in token order.
     Counts: `dropped_documents` (segments: a document crossing a row boundary counts once per row) and
     `dropped_tokens` (their real tokens), int32 sums over every micro-batch.
     """
     seg = batch["inputs_segmentation"]
     if max_segs is None:
         return batch, {"dropped_documents": jnp.int32(0), "dropped_tokens": jnp.int32(0)}
-    rows_BT = seg.reshape(-1, *seg.shape[-2:])
+    zigzag = context is not None and context.load_balance
+    ordered = restore_order(seg, context.size, axis=seg.ndim - 1) if zigzag else seg
+    rows_BT = ordered.reshape(-1, *seg.shape[-2:])
     keep = jax.vmap(lambda s: fits_max_segs(s, max_segs))(rows_BT).reshape(seg.shape)
     starts = jax.vmap(segment_starts)(rows_BT).reshape(seg.shape)
+    counts = {"dropped_documents": jnp.sum(starts & ~keep).astype(jnp.int32),
+              "dropped_tokens": jnp.sum((ordered != 0) & ~keep).astype(jnp.int32)}
+    if zigzag:  # back to the batch's layout
+        keep = keep.take(zigzag_permutation(seg.shape[-1], context.size), axis=seg.ndim - 1)
     out = dict(batch, inputs_segmentation=jnp.where(keep, seg, 0),
                targets_segmentation=jnp.where(keep, batch["targets_segmentation"], 0))
-    counts = {"dropped_documents": jnp.sum(starts & ~keep).astype(jnp.int32),
-              "dropped_tokens": jnp.sum((seg != 0) & ~keep).astype(jnp.int32)}
     return out, counts
 
 
-def _packing_metrics(seg_MBT: jax.Array, model_cfg) -> dict:
+def _packing_metrics(seg_MBT: jax.Array, model_cfg, context: ContextParallel | None = None) -> dict:
     """Per micro-batch packing figures (what the KDA kernel is given, before any drop), aggregated over the step."""
+    if context is not None and context.load_balance:  # the figures are about rows in token order
+        seg_MBT = restore_order(seg_MBT, context.size, axis=2)
     max_segs = kernel_max_segs(model_cfg)
     chunk = getattr(model_cfg, "kda_chunk_size", 64)
     stats = jax.vmap(lambda s: packing_stats(s, max_segs=max_segs, chunk_size=chunk))(seg_MBT)
@@ -168,14 +177,22 @@ def _packing_metrics(seg_MBT: jax.Array, model_cfg) -> dict:
 
 
 def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict, rest: dict, batch: dict, *,
-                         micro_batches: int, mesh: Mesh | None = None, rules=None, params_shardings=None):
+                         micro_batches: int, mesh: Mesh | None = None, rules=None, params_shardings=None,
+                         context: ContextParallel | None = None):
     """(gradient of the step objective w.r.t. params in fp32, statistics summed over micro-batches, micro-batches).
 
     The [B, T] batch becomes [M, B/M, T] (documents beyond the kernel's max_segs dropped per micro-batch,
     see `drop_overflow`; the returned micro-batches are the originals); `lax.scan` runs forward + backward
     per micro-batch and sums gradients and statistics (each micro-batch's objective share already carries
     its 1/M or 1/N_total). The statistics hold the drop counts.
+    `context`: the model and loss are traced under it (parallel/context.py); the batch is in its layout.
     """
+    with context_parallel(context):
+        return _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings,
+                           context)
+
+
+def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings, context):
     M = micro_batches
     B = batch["inputs"].shape[0]
     if B % M:
@@ -186,7 +203,7 @@ def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict
     constrain = lambda x, sh: jax.lax.with_sharding_constraint(x, sh) if mesh is not None else x
     micro = {k: constrain(v.reshape(M, B // M, *v.shape[1:]), NamedSharding(mesh, P(None, *spec)) if mesh else None)
              for k, v in batch.items()}
-    kept, dropped = drop_overflow(micro, kernel_max_segs(model_cfg))
+    kept, dropped = drop_overflow(micro, kernel_max_segs(model_cfg), context)
     totals = loss_lib.totals(kept, getattr(model_cfg, "mtp_num_layers", 0) or 0)
 
     def micro_step(mb):
@@ -216,8 +233,9 @@ def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict
 
 def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimConfig, *, micro_batches: int,
                     mesh: Mesh | None = None, rules=None, shardings: TrainState | None = None, donate: bool = True,
-                    halt_on_overflow: bool = False):
-    """Jitted `step(state, batch) -> (state, metrics)`; `batch` holds global [B, T] int32 arrays.
+                    context: ContextParallel | None = None, halt_on_overflow: bool = False):
+    """Jitted `step(state, batch) -> (state, metrics)`; `batch` holds global [B, T] int32 arrays (in
+    `context`'s token layout when context parallelism is on).
 
     The update is applied when the loss and gradient norm are finite and, with `halt_on_overflow`, no
     document was dropped; otherwise only `step` advances (`metrics['applied'] == 0`).
@@ -231,7 +249,7 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
     def step(state: TrainState, batch: dict):
         grads, stats, micro = accumulate_gradients(
             model_def, loss_cfg, state.params, state.rest, batch, micro_batches=M, mesh=mesh, rules=rules,
-            params_shardings=None if shardings is None else shardings.params)
+            params_shardings=None if shardings is None else shardings.params, context=context)
         grad_norm = global_norm(grads)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
@@ -254,7 +272,7 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
         metrics = dict(loss_metrics, grad_norm=grad_norm, lr=lr_fn(state.updates), finite=finite.astype(jnp.int32),
                        applied=applied.astype(jnp.int32), tokens=jnp.int32(batch["inputs"].size),
                        dropped_documents=stats["dropped_documents"], dropped_tokens=stats["dropped_tokens"],
-                       **_packing_metrics(micro["inputs_segmentation"], model_cfg))
+                       **_packing_metrics(micro["inputs_segmentation"], model_cfg, context))
         return new_state, metrics
 
     kwargs = {}

@@ -68,6 +68,21 @@ def test_drop_overflow_keeps_the_first_max_segs_documents(setup):
     assert int(counts["dropped_documents"]) == 3 and int(counts["dropped_tokens"]) == 14 + 7 + 6
 
 
+def test_drop_overflow_in_zigzag_layout_matches_token_order(setup):
+    """Under zigzag context parallelism the batch arrives reordered; the dropped documents are the same."""
+    from types import SimpleNamespace
+
+    from lingpack.parallel.reorder import reorder_batch
+    _, _, batch = setup
+    context = SimpleNamespace(size=2, load_balance=True)
+    want, want_counts = drop_overflow({k: jnp.asarray(v)[None] for k, v in batch.items()}, MAX_SEGS)
+    zigzag = reorder_batch(batch, context.size)
+    got, got_counts = drop_overflow({k: jnp.asarray(v)[None] for k, v in zigzag.items()}, MAX_SEGS, context)
+    for key in batch:
+        np.testing.assert_array_equal(np.asarray(got[key][0]), reorder_batch({key: np.asarray(want[key][0])}, 2)[key])
+    assert {k: int(v) for k, v in got_counts.items()} == {k: int(v) for k, v in want_counts.items()}
+
+
 @pytest.mark.parametrize("z_loss,oracle_keys", [
     (0.0, ("targets_segmentation",)),                           # the loss mask alone removes them
     pytest.param(1e-2, ("targets_segmentation", "inputs_segmentation"),  # with router z-loss: padding
@@ -86,6 +101,7 @@ def test_overflow_gradients_equal_the_batch_without_those_documents(setup, z_los
         np.testing.assert_array_equal(np.asarray(s_overflow["moe_z_tokens"]), np.asarray(s_oracle["moe_z_tokens"]))
 
 
+@pytest.mark.slow  # the default suite checks this end to end: the overflowing sweep's packing_parity_rel (tests/runner)
 def test_surviving_documents_match_the_per_document_result(setup):
     defs, state, batch = setup
     model = defs["aligned"].merge(state.params, state.rest)

@@ -64,8 +64,12 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
 
     metrics_logger = _metrics_logger(rc, plain, group)
     try:
+        recorder = None
+        if rc.parity.enabled:  # the parity harness compares lingpack's routing with the reference's
+            from lingpack.parity.harness import RoutingRecorder, has_moe
+            recorder = RoutingRecorder(rc.data.seq_length) if has_moe(rc.model) else None
         result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
-                            metrics_callback=metrics_logger)
+                            metrics_callback=metrics_logger, routing_callback=recorder)
         history = list(result.history)
         summary = {
             "name": rc.name, "kernel": rc.kernel.name, "max_segs": rc.kernel.max_segs, "steps": len(history),
@@ -79,7 +83,7 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
         summary["packing_parity_rel"] = _packing_parity(rc, result.final_model())["rel_diff"]
         if rc.parity.enabled:
             from lingpack.parity.harness import run_parity
-            summary.update(run_parity(rc, history, metrics_logger))
+            summary.update(run_parity(rc, history, metrics_logger, routing=recorder and recorder.steps))
         metrics_logger.summary({k: v for k, v in summary.items() if v is not None})
         metrics_logger.export_csv()
         _plots(rc, history)

@@ -53,8 +53,11 @@ def plot_loss_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str 
     return _save(fig, path)
 
 
-def plot_parity(result: Any, path: str | Path, *, title: str | None = None) -> str:
-    """Two panels: both loss curves, and rel diff per step (log scale) with the tolerance line."""
+def plot_parity(result: Any, path: str | Path, *, title: str | None = None,
+                marks: Mapping[int, str] | None = None) -> str:
+    """Two panels: both loss curves, and rel diff per step (log scale) with the tolerance line.
+
+    `marks`: {step: label} drawn as vertical lines on both panels (e.g. the first routing flip)."""
     rows = result.rows
     if not rows:
         raise ValueError("plot_parity: no aligned steps to draw.")
@@ -79,6 +82,11 @@ def plot_parity(result: Any, path: str | Path, *, title: str | None = None) -> s
     bottom.set_ylabel(f"relative difference\n(exact 0 drawn at {REL_DIFF_FLOOR:g})")
     bottom.grid(True, which="both", alpha=0.3)
     bottom.legend(fontsize=8)
+    for step, label in (marks or {}).items():
+        for axis in (top, bottom):
+            axis.axvline(step, color="tab:purple", linestyle="--", linewidth=1.0, label=label if axis is bottom else None)
+    if marks:
+        bottom.legend(fontsize=8)
     status = "PASS" if result.passed else "FAIL"
     top.set_title(title or f"{result.metric} parity: {status}, max rel {result.max_rel:.3g} "
                            f"over {len(rows)} steps")

@@ -1,14 +1,16 @@
 """The training loop: data -> sharded step -> metrics, with checkpoint/resume and preemption handling.
 
     result = train(model_cfg, data_cfg, loss_cfg, optim_cfg, parallel_cfg, ckpt_cfg, train_cfg,
-                   metrics_callback=None)
+                   metrics_callback=None, routing_callback=None)
 
 On start the latest checkpoint in `ckpt_cfg.directory` is restored (state and data position), else the
 state is initialised directly in its shardings. Each step reads one global batch (this host's rows),
 runs the jitted step and reports one metrics dict (names in METRIC_NAMES) to `metrics_callback(step,
 metrics)` (every step) and to `TrainResult.history`; the console shows a progress bar (and a log line
 every `log_every` steps). Checkpoints every `save_every` steps, at the end, on SIGTERM/SIGINT (then the
-loop returns with `preempted=True`) and before halting on a non-finite loss.
+loop returns with `preempted=True`) and before halting on a non-finite loss. With `routing_callback`, the
+step also returns its MoE routing (step.py `trace_routing`), handed to `routing_callback(step, routing)`
+as numpy arrays (the parity harness's routing trace).
 
 `model_cfg` is a `Ling3Config`, or any frozen config with `make_model(rngs) -> nnx.Module` whose call
 returns a `Ling3Output` (tests use a small stand-in that way).
@@ -109,7 +111,8 @@ def _progress(train_cfg: TrainConfig, start: int):
 
 
 def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
-          ckpt_cfg: CheckpointConfig, train_cfg: TrainConfig, *, metrics_callback=None) -> TrainResult:
+          ckpt_cfg: CheckpointConfig, train_cfg: TrainConfig, *, metrics_callback=None,
+          routing_callback=None) -> TrainResult:
     optim_cfg = optim_lib.resolve(optim_cfg, train_cfg.steps)
     mesh = shard_lib.make_mesh(parallel_cfg)
     rules = parallel_cfg.rules
@@ -135,7 +138,7 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
         state = jax.jit(init, out_shardings=shardings)()
     start = int(jax.device_get(state.step))
     step_fn = make_train_step(model_def, loss_cfg, optim_cfg, micro_batches=train_cfg.micro_batches, mesh=mesh,
-                              rules=rules, shardings=shardings)
+                              rules=rules, shardings=shardings, trace_routing=routing_callback is not None)
 
     peak = train_cfg.peak_flops_per_device or flops_lib.peak_flops_per_device()
     step_flops = flops_lib.flops_per_token(model_cfg, data_cfg.seq_length) * data_cfg.global_batch_size * data_cfg.seq_length
@@ -165,7 +168,10 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                                        "data.num_samples / num_epochs or lower train.steps") from None
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, shard_lib.shard_batch(local, mesh, rules))
-                metrics = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+                metrics = jax.device_get(metrics)  # waits for the step
+                if routing_callback is not None:
+                    routing_callback(step + 1, metrics.pop("routing"))
+                metrics = {k: _scalar(v) for k, v in metrics.items()}
                 dt = time.perf_counter() - t0
                 metrics.update(step=step + 1, step_time_s=dt, tokens_per_s=metrics["tokens"] / dt,
                                mfu=step_flops / dt / (peak * jax.device_count()) if peak else 0.0,

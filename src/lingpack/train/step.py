@@ -133,12 +133,18 @@ def _packing_metrics(seg_MBT: jax.Array, model_cfg) -> dict:
     return out
 
 
+ROUTING_KEYS = ("expert_ids", "router_logits", "expert_bias")  # the MoE aux entries of the routing trace
+
+
 def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict, rest: dict, batch: dict, *,
-                         micro_batches: int, mesh: Mesh | None = None, rules=None, params_shardings=None):
+                         micro_batches: int, mesh: Mesh | None = None, rules=None, params_shardings=None,
+                         trace_routing: bool = False):
     """(gradient of the step objective w.r.t. params in fp32, statistics summed over micro-batches, micro-batches).
 
     The [B, T] batch becomes [M, B/M, T]; `lax.scan` runs forward + backward per micro-batch and sums
     gradients and statistics (each micro-batch's objective share already carries its 1/M or 1/N_total).
+    `trace_routing`: statistics also hold `routing`, each micro-batch's MoE routing exactly as the step
+    used it (ROUTING_KEYS, stacked [M, L_moe, ...]; see parity/routing.py).
     """
     M = micro_batches
     B = batch["inputs"].shape[0]
@@ -159,27 +165,36 @@ def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict
             obj, stats = loss_lib.micro_batch_loss(out.logits_BTV, list(out.mtp_logits), out.moe_aux, mb, loss_cfg,
                                                    totals, num_micro_batches=M, moe_z_loss_weight=moe_z_weight)
             stats["load_counts"] = out.moe_aux["load_counts"].astype(jnp.float32)
-            return obj, stats
+            if trace_routing and not set(ROUTING_KEYS) <= set(out.moe_aux):
+                raise ValueError(f"trace_routing needs the model's moe_aux to hold {ROUTING_KEYS}; it has "
+                                 f"{sorted(out.moe_aux)} (lingpack.models.moe.MoE returns them)")
+            routing = {k: out.moe_aux[k] for k in ROUTING_KEYS} if trace_routing else {}
+            return obj, (stats, routing)
         return jax.value_and_grad(objective, has_aux=True)(params)
 
     def body(carry, mb):
         grads_acc, stats_acc = carry
-        (_, stats), grads = micro_step(mb)
+        (_, (stats, routing)), grads = micro_step(mb)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)  # fp32 accumulation
-        return (grads_acc, jax.tree.map(jnp.add, stats_acc, stats)), None
+        return (grads_acc, jax.tree.map(jnp.add, stats_acc, stats)), routing
 
-    stats_shape = jax.eval_shape(lambda: micro_step(jax.tree.map(lambda v: v[0], micro))[0][1])
+    stats_shape = jax.eval_shape(lambda: micro_step(jax.tree.map(lambda v: v[0], micro))[0][1][0])
     grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     if params_shardings is not None:
         grads0 = jax.lax.with_sharding_constraint(grads0, params_shardings)
     stats0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
-    (grads, stats), _ = jax.lax.scan(body, (grads0, stats0), micro)
+    (grads, stats), routing = jax.lax.scan(body, (grads0, stats0), micro)
+    if trace_routing:
+        stats["routing"] = routing
     return grads, stats, micro
 
 
 def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimConfig, *, micro_batches: int,
-                    mesh: Mesh | None = None, rules=None, shardings: TrainState | None = None, donate: bool = True):
-    """Jitted `step(state, batch) -> (state, metrics)`; `batch` holds global [B, T] int32 arrays."""
+                    mesh: Mesh | None = None, rules=None, shardings: TrainState | None = None, donate: bool = True,
+                    trace_routing: bool = False):
+    """Jitted `step(state, batch) -> (state, metrics)`; `batch` holds global [B, T] int32 arrays.
+
+    `trace_routing`: metrics also hold `routing` (see `accumulate_gradients`)."""
     tx = make_optimizer(optim_cfg)
     lr_fn = learning_rate(optim_cfg)
     model_cfg = model_def.config
@@ -189,7 +204,7 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
     def step(state: TrainState, batch: dict):
         grads, stats, micro = accumulate_gradients(
             model_def, loss_cfg, state.params, state.rest, batch, micro_batches=M, mesh=mesh, rules=rules,
-            params_shardings=None if shardings is None else shardings.params)
+            params_shardings=None if shardings is None else shardings.params, trace_routing=trace_routing)
         grad_norm = global_norm(grads)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
@@ -211,6 +226,8 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
         metrics = dict(loss_metrics, grad_norm=grad_norm, lr=lr_fn(state.updates), finite=finite.astype(jnp.int32),
                        tokens=jnp.int32(batch["inputs"].size),
                        **_packing_metrics(micro["inputs_segmentation"], model_cfg))
+        if trace_routing:
+            metrics["routing"] = stats["routing"]
         return new_state, metrics
 
     kwargs = {}

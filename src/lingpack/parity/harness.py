@@ -64,7 +64,6 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
     import torch
 
     from lingpack.parity import routing as routing_lib
-
     from lingpack.parity.megatron_reference import MegatronReferenceTrainer
     from lingpack.tracking.parity import compute_parity, write_parity_csv
     from lingpack.tracking.plots import plot_loss_curves, plot_parity

@@ -79,13 +79,14 @@ def test_routing_locked_ten_step_parity(trained, tmp_path):
     assert summary["parity_max_rel"] <= 1e-5, summary
     trace = json.loads((tmp_path / "parity" / "routing.json").read_text())
     assert trace["steps"] == 10  # the reference's own choices were still traced against lingpack's
+    assert trace["first_flip"] is None and summary["routing_total_flips"] == 0
 
 
 def test_trace_reports_an_injected_flip_and_none_without_one(trained, tmp_path):
     from lingpack.parity.harness import run_parity
     from lingpack.train import loop
     rc, history, routing = trained
-    clean = run_parity(_with(rc, tmp_path / "clean"), history[:3], routing=routing)
+    clean = run_parity(_with(rc, tmp_path / "clean"), history[:2], routing=routing)  # routing not locked
     assert clean["routing_first_flip_step"] is None and clean["routing_total_flips"] == 0
     assert clean["parity_max_rel"] <= 1e-5
 

@@ -78,15 +78,13 @@ def plot_parity(result: Any, path: str | Path, *, title: str | None = None,
         bottom.semilogy([r.step for r in failures],
                         [r.rel_diff if math.isfinite(r.rel_diff) else result.tolerance * 10
                          for r in failures], "rx", label=f"{len(failures)} steps over tolerance")
+    for step, label in (marks or {}).items():
+        for axis in (top, bottom):
+            axis.axvline(step, color="tab:purple", linestyle="--", linewidth=1.0, label=label if axis is bottom else None)
     bottom.set_xlabel("step")
     bottom.set_ylabel(f"relative difference\n(exact 0 drawn at {REL_DIFF_FLOOR:g})")
     bottom.grid(True, which="both", alpha=0.3)
     bottom.legend(fontsize=8)
-    for step, label in (marks or {}).items():
-        for axis in (top, bottom):
-            axis.axvline(step, color="tab:purple", linestyle="--", linewidth=1.0, label=label if axis is bottom else None)
-    if marks:
-        bottom.legend(fontsize=8)
     status = "PASS" if result.passed else "FAIL"
     top.set_title(title or f"{result.metric} parity: {status}, max rel {result.max_rel:.3g} "
                            f"over {len(rows)} steps")

@@ -113,3 +113,21 @@ def test_routing_locked_fifty_step_parity(tmp_path):
                         routing_callback=recorder)
     summary = run_parity(rc, result.history, routing=recorder.steps)
     assert summary["parity_max_rel"] <= 1e-4, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", [["loss.calculate_per_token_loss=true"], ["loss.mode=per_token"],
+                                  ["loss.megatron_dp_size=2"]], ids=["per_token_loss", "per_token_mode", "dp2"])
+def test_routing_locked_parity_in_every_loss_mode(tmp_path, loss):
+    """The reference's per-mode reduction (lm and megatron-core z-loss, per rank) against train/loss.py.
+
+    The router z-loss weight is raised to 0.05 so that a wrongly scaled z-loss term moves the loss."""
+    from lingpack.parity.harness import RoutingRecorder, run_parity
+    from lingpack.train import loop
+    rc = parity_config(tmp_path, ["train.steps=4", *SMALL, "parity.lock_routing=true",
+                                  "loss.moe_z_loss_weight=0.05", *loss])
+    recorder = RoutingRecorder(rc.data.seq_length)
+    result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
+                        routing_callback=recorder)
+    summary = run_parity(rc, result.history, routing=recorder.steps)
+    assert summary["parity_max_rel"] <= 1e-5, summary

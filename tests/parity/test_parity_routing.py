@@ -119,9 +119,10 @@ def test_routing_locked_fifty_step_parity(tmp_path):
 @pytest.mark.parametrize("loss", [["loss.calculate_per_token_loss=true"], ["loss.mode=per_token"],
                                   ["loss.megatron_dp_size=2"]], ids=["per_token_loss", "per_token_mode", "dp2"])
 def test_routing_locked_parity_in_every_loss_mode(tmp_path, loss):
-    """The reference's per-mode reduction (lm and megatron-core z-loss, per rank) against train/loss.py.
+    """Both trainers end to end in each loss mode, routing locked, z-loss weight raised to 0.05.
 
-    The router z-loss weight is raised to 0.05 so that a wrongly scaled z-loss term moves the loss."""
+    Adam's scale invariance hides small z-loss scaling errors here (a 1% wrong denominator passed); the
+    z-loss forms themselves are pinned by tests/parity/test_megatron_reference.py."""
     from lingpack.parity.harness import RoutingRecorder, run_parity
     from lingpack.train import loop
     rc = parity_config(tmp_path, ["train.steps=4", *SMALL, "parity.lock_routing=true",

@@ -165,22 +165,7 @@ class MegatronReferenceTrainer:
             chunk = slice(u * per_group, (u + 1) * per_group)
             results.append(self._group(rows[chunk], None if locked is None else locked["expert_ids"][:, chunk]))
         lm_total = sum(r[1] for r in results)
-        real_total = sum(r[2] for r in results)
-        per_token = self.loss_cfg.mode == "per_token" or self.loss_cfg.calculate_per_token_loss
-        objective = torch.zeros(())
-        for loss_sum, count, real, z, _, _ in results:
-            if per_token:
-                objective = objective + loss_sum / torch.clamp(lm_total, min=1.0)
-            else:  # Megatron default: each (micro-batch, rank) token mean; grads / num_micro_batches, DP-averaged
-                objective = objective + loss_sum / torch.clamp(count, min=1.0) / (M * G)
-            if self.moe_z_weight and z:
-                z_mean = sum(z)
-                if self.loss_cfg.mode == "per_token":      # lingpack's global per-token mean over real tokens
-                    objective = objective + z_mean * real / max(real_total, 1)
-                elif self.loss_cfg.calculate_per_token_loss:  # z * num_tokens, then finalize / total loss tokens
-                    objective = objective + z_mean * real / torch.clamp(lm_total, min=1.0)
-                else:                                       # AutoScaler scale 1/num_micro_batches, DP average
-                    objective = objective + z_mean / (M * G)
+        objective = megatron_objective([r[:4] for r in results], self.loss_cfg, M * G, with_z=bool(self.moe_z_weight))
         objective.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = float(torch.sqrt(sum(torch.sum(p.grad.double() ** 2) for p in params)))
@@ -213,6 +198,36 @@ class MegatronReferenceTrainer:
         with torch.no_grad():
             for router, bias in zip(self.routers, updated):
                 router.e_score_correction_bias.copy_(bias - bias.mean())
+
+
+def megatron_objective(groups: list, loss_cfg, num_groups: int, *, with_z: bool = True):
+    """The step objective from per-(micro-batch, rank) results (loss sum, loss count, real tokens, z-losses).
+
+    Each z-loss is megatron-core's `z_loss_func` value (weight x mean over the group's real tokens), one
+    per MoE layer. Megatron default: lm token means and z-losses summed over groups / num_groups (the
+    AutoScaler's 1/num_micro_batches, then the data-parallel average); calculate_per_token_loss: sums over
+    the step's loss tokens (the AutoScaler gets z * num_tokens, finalize_model_grads divides by the total);
+    lingpack's per_token mode: lm over loss tokens, z over real tokens (train/loss.py).
+    """
+    import torch
+    lm_total = sum(g[1] for g in groups)
+    real_total = sum(g[2] for g in groups)
+    per_token = loss_cfg.mode == "per_token" or loss_cfg.calculate_per_token_loss
+    objective = torch.zeros(())
+    for loss_sum, count, real, z in groups:
+        if per_token:
+            objective = objective + loss_sum / torch.clamp(lm_total, min=1.0)
+        else:  # Megatron default: each (micro-batch, rank) token mean; grads / num_micro_batches, DP-averaged
+            objective = objective + loss_sum / torch.clamp(count, min=1.0) / num_groups
+        if with_z and z:
+            z_mean = sum(z)
+            if loss_cfg.mode == "per_token":      # lingpack's global per-token mean over real tokens
+                objective = objective + z_mean * real / max(real_total, 1)
+            elif loss_cfg.calculate_per_token_loss:  # z * num_tokens, then finalize / total loss tokens
+                objective = objective + z_mean * real / torch.clamp(lm_total, min=1.0)
+            else:                                  # AutoScaler scale 1/num_micro_batches, DP average
+                objective = objective + z_mean / num_groups
+    return objective
 
 
 def _single_rank_megatron() -> None:

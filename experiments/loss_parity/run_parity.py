@@ -42,7 +42,9 @@ def main():
             shutil.rmtree(run_dir, ignore_errors=True)
             run_variant(run_dir, overrides, tolerance, args.steps)
         summary = json.loads((run_dir / "summary.json").read_text())
-        rows.append({"variant": name, "steps": summary["parity_steps"], "first_lm_loss": summary["first_lm_loss"],
+        stale = "parity_lock_routing" not in summary  # written before the routing trace existed (--reuse)
+        rows.append({"variant": name + (" (previous run)" if stale else ""), "steps": summary["parity_steps"],
+                     "first_lm_loss": summary["first_lm_loss"],
                      "final_lm_loss": summary["final_lm_loss"], "max_rel_diff": summary["parity_max_rel"],
                      "mean_rel_diff": summary["parity_mean_rel"], "tolerance": tolerance,
                      "first_step_over": _first_over(run_dir, tolerance),
@@ -54,6 +56,8 @@ def main():
         lines.append(f"| {r['variant']} | {r['steps']} | {r['first_lm_loss']:.4f} -> {r['final_lm_loss']:.4f} | "
                      f"{r['max_rel_diff']:.2e} | {r['mean_rel_diff']:.2e} | <= {r['tolerance']:g} | "
                      f"{r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} |")
+    if any(r["variant"].endswith("(previous run)") for r in rows):
+        lines.append("\n(previous run): kept by --reuse from a run of an earlier version of this script and reference.")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     print("\n".join(lines))
@@ -63,7 +67,9 @@ def _routing(run_dir: Path) -> dict:
     """The routing trace's first flip, as table cells (and the raw numbers)."""
     path = run_dir / "parity" / "routing.json"
     if not path.exists():
-        return {"flip": "no MoE", "around_flip": "", "first_flip": None}
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return {"flip": "not traced" if "parity_lock_routing" not in summary else "no MoE", "around_flip": "",
+                "first_flip": None}
     trace = json.loads(path.read_text())
     first, around = trace["first_flip"], trace.get("loss_rel_diff")
     if first is None:

@@ -130,8 +130,9 @@ class MegatronReferenceTrainer:
         padding = torch.ones(len(spans) * length, dtype=torch.bool)
         padding[index] = False
         self._captured.clear()
-        if locked_ids is not None:
-            self._lock = (index, [torch.as_tensor(ids).reshape(-1, ids.shape[-1]).long() for ids in locked_ids])
+        locked = None if locked_ids is None else [torch.as_tensor(ids).reshape(-1, ids.shape[-1]).long()
+                                                  for ids in locked_ids]      # per router [R*T, k]
+        self._lock = None if locked is None else (index, locked)
         try:
             logits = self.model(input_ids=tokens).logits.float()         # fp32 logits
         finally:
@@ -142,7 +143,7 @@ class MegatronReferenceTrainer:
         z, loads, routing = [], [], {k: [] for k in ("expert_ids", "router_logits")}
         for n, (router_logits, own_ids) in enumerate(self._captured):
             own = own_ids[index]                                         # [R*T, k] in lingpack's token order
-            used = own if locked_ids is None else torch.as_tensor(locked_ids[n]).reshape(own.shape).long()
+            used = own if locked is None else locked[n]
             z.append(z_loss_func(router_logits, self.moe_z_weight, padding_mask=padding))  # weight * mean over real
             loads.append(torch.bincount(used.reshape(-1), minlength=self.routers[n].num_experts))
             routing["expert_ids"].append(own.reshape(len(samples), T, -1).numpy())

@@ -58,8 +58,11 @@ def main():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "experiment=loss_parity", f"train.steps={args.steps}", f"data.num_samples={args.steps * 8}",
-            "model.dtype=float32", "logger=none", "train.progress_bar=false"])
-    plain = OmegaConf.to_container(cfg, resolve=True)
+            "model.dtype=float32", "logger=none", "train.progress_bar=false"], return_hydra_config=True)
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    plain.pop("hydra")
+    plain["checkpoint"]["directory"] = str(out / "ckpt")  # unused: loss_parity disables checkpoints
+    plain = OmegaConf.to_container(OmegaConf.create(plain), resolve=True)
     rc = config_lib.build(plain, str(out))
     runs = {}
     for name, model_cfg in (("as is", rc.model), ("1 ulp", Perturbed(rc.model))):

@@ -2,8 +2,11 @@
 
     python experiments/loss_parity/run_parity.py [--steps 50] [--out experiments/loss_parity/results]
 
-Runs `python run.py experiment=loss_parity` in fp32 and with bf16 compute (fp32 master weights), both
-against the fp32 reference, and writes `results.md` (the README's table), `results.json` and the plots.
+Runs `python run.py experiment=loss_parity` in fp32 (routing free and routing-locked), with dense FFNs and
+with bf16 compute (fp32 master weights), all against the fp32 reference, and writes `results.md` (the
+README's table), `results.json` and the plots. Each MoE variant also traces routing on both sides: the
+first step where the two sides' expert selections differ, its MoE layer and the decision margin of the
+flipped tokens (`<run>/parity/routing.json`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = {  # name -> (overrides, relative tolerance); every variant runs against the fp32 reference
     "fp32": (["model.dtype=float32"], 1e-4),
+    "fp32 routing locked": (["model.dtype=float32", "parity.lock_routing=true"], 1e-4),
     "fp32 dense FFN": (["model.dtype=float32", "model.first_dense_layers=4"], 1e-4),
     "bf16 compute": (["model.dtype=bfloat16"], 1e-2),
 }
@@ -38,20 +42,44 @@ def main():
             shutil.rmtree(run_dir, ignore_errors=True)
             run_variant(run_dir, overrides, tolerance, args.steps)
         summary = json.loads((run_dir / "summary.json").read_text())
-        rows.append({"variant": name, "steps": summary["parity_steps"], "first_lm_loss": summary["first_lm_loss"],
+        stale = "parity_lock_routing" not in summary  # written before the routing trace existed (--reuse)
+        rows.append({"variant": name + (" (previous run)" if stale else ""), "steps": summary["parity_steps"],
+                     "first_lm_loss": summary["first_lm_loss"],
                      "final_lm_loss": summary["final_lm_loss"], "max_rel_diff": summary["parity_max_rel"],
                      "mean_rel_diff": summary["parity_mean_rel"], "tolerance": tolerance,
                      "first_step_over": _first_over(run_dir, tolerance),
-                     "passed": summary["parity_max_rel"] <= tolerance})
-    lines = ["| variant | steps | lm loss first -> last | max rel diff | mean rel diff | target | first step over target |",
-             "|---|---|---|---|---|---|---|"]
+                     "passed": summary["parity_max_rel"] <= tolerance, **_routing(run_dir)})
+    lines = ["| variant | steps | lm loss first -> last | max rel diff | mean rel diff | target | first step over target "
+             "| first routing flip: step (layer), margin | rel diff before flip -> worst after |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['steps']} | {r['first_lm_loss']:.4f} -> {r['final_lm_loss']:.4f} | "
                      f"{r['max_rel_diff']:.2e} | {r['mean_rel_diff']:.2e} | <= {r['tolerance']:g} | "
-                     f"{r['first_step_over'] or 'none'} |")
+                     f"{r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} |")
+    if any(r["variant"].endswith("(previous run)") for r in rows):
+        lines.append("\n(previous run): kept by --reuse from a run of an earlier version of this script and reference.")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     print("\n".join(lines))
+
+
+def _routing(run_dir: Path) -> dict:
+    """The routing trace's first flip, as table cells (and the raw numbers)."""
+    path = run_dir / "parity" / "routing.json"
+    if not path.exists():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return {"flip": "not traced" if "parity_lock_routing" not in summary else "no MoE", "around_flip": "",
+                "first_flip": None}
+    trace = json.loads(path.read_text())
+    first, around = trace["first_flip"], trace.get("loss_rel_diff")
+    if first is None:
+        return {"flip": f"none in {trace['steps']} steps", "around_flip": "", "first_flip": None}
+    cells = {"flip": f"{first['step']} ({first['layer']}), {first['tokens']} tok, margin <= {first['lingpack_margin_max']:.1e}",
+             "around_flip": "", "first_flip": first}
+    if around and around["max_before"] is not None:
+        after = around["max_after"] if around["max_after"] is not None else around["at"]
+        cells["around_flip"] = f"{around['max_before']:.1e} -> {after:.1e}"
+    return cells
 
 
 def _first_over(run_dir: Path, tolerance: float):

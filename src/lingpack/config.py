@@ -71,6 +71,7 @@ class ParityConfig:
     enabled: bool = False
     tolerance: float = 1e-4
     megatron_log: str | None = None  # compare against an imported Megatron-LM log as well
+    lock_routing: bool = False       # the reference uses lingpack's expert selections (parity/harness.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,8 +123,13 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
 
     metrics_logger = _metrics_logger(rc, plain, group)
     try:
+        recorder = None
+        if rc.parity.enabled:  # the parity harness compares lingpack's routing with the reference's
+            from lingpack.parity.harness import RoutingRecorder, has_moe
+            recorder = RoutingRecorder(rc.data.seq_length) if has_moe(rc.model) else None
         result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
-                            metrics_callback=metrics_logger, on_start=metrics_logger.resume)
+                            metrics_callback=metrics_logger, on_start=metrics_logger.resume,
+                            routing_callback=recorder)
         history = metrics_logger.records() or list(result.history)
         summary = run_summary(rc, history, result.preempted)
         summary.update({k: v for k, v in result.final_eval.items() if not k.endswith("_tokens")})
@@ -132,7 +137,7 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
             summary["packing_parity_rel"] = _packing_parity(rc, result.final_model())["rel_diff"]
             if rc.parity.enabled:
                 from lingpack.parity.harness import run_parity
-                summary.update(run_parity(rc, history, metrics_logger))
+                summary.update(run_parity(rc, history, metrics_logger, routing=recorder and recorder.steps))
         metrics_logger.summary({k: v for k, v in summary.items() if v is not None})
         metrics_logger.export_csv()
         if not result.preempted:

@@ -9,7 +9,8 @@ Dispatch: the N*k (token, expert) assignments are sorted by expert and run as gr
 
 `expert_bias` is an `ExpertBias` variable, not an `nnx.Param`: gradients never reach it; it moves only
 through `update_expert_bias` (outside the gradient), from the per-expert load counts each call returns.
-Statistics (load counts, router z-loss) count real tokens only (segment id != 0).
+Statistics (load counts, router z-loss) count real tokens only (segment id != 0). The aux dict also
+carries each token's chosen experts, router logits and the bias used (the parity routing trace).
 """
 
 from __future__ import annotations
@@ -115,7 +116,10 @@ class MoE(nnx.Module):
         z_N = jax.nn.logsumexp(logits_NE, axis=-1) ** 2
         aux = {"router_z_loss": jnp.sum(jnp.where(real_N, z_N, 0.0)),
                "load_counts": jax.lax.stop_gradient(load_E),
-               "num_tokens": jnp.sum(real_N).astype(jnp.float32)}
+               "num_tokens": jnp.sum(real_N).astype(jnp.float32),
+               # the routing trace (parity/routing.py); unused outputs cost nothing under jit
+               "expert_ids": idx_NK, "router_logits": jax.lax.stop_gradient(logits_NE),
+               "expert_bias": self.expert_bias[...]}
         return y_ND.reshape(B, T, D), aux
 
 

@@ -5,6 +5,13 @@ the same samples (lingpack's Grain pipeline vs megatron-core's GPTDataset on the
 train the same number of steps; the per-step `lm_loss` and its relative difference are logged to W&B
 (the reference as its own `job_type=megatron_reference` run in the same group), written to
 `parity/parity.csv` and plotted to `parity/parity.png` in the run directory.
+
+Routing: given lingpack's routing trace (`RoutingRecorder`, fed by the training loop), the reference's
+own choices are compared with it token by token (`parity/routing.py`): the first step and MoE layer where
+the chosen experts differ, how close to a tie those tokens were, and the loss difference before and after,
+go to the summary, `parity/routing.json` and the plot. `parity.lock_routing=true` makes the reference use
+lingpack's selections (its own gate weights, bias update and z-loss unchanged), which isolates every
+difference other than a routing flip.
 """
 
 from __future__ import annotations
@@ -30,10 +37,33 @@ def reference_model(model_cfg, jax_model):
     return hf_model.train()
 
 
-def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None) -> dict:
-    """Train the reference for len(history) steps and compare with lingpack's per-step lm_loss."""
+def has_moe(model_cfg) -> bool:
+    """Whether the model routes any token (only then is there a routing trace)."""
+    kinds = [f for _, f in model_cfg.layer_kinds()]
+    return "moe" in kinds or bool(model_cfg.mtp_num_layers and model_cfg.mtp.use_moe)
+
+
+class RoutingRecorder:
+    """`loop.train(routing_callback=recorder)`: keeps lingpack's routing per step (routing.py layout)."""
+
+    def __init__(self, seq_length: int):
+        self.seq_length, self.steps = seq_length, {}
+
+    def __call__(self, step: int, routing: dict) -> None:
+        from lingpack.parity.routing import from_lingpack
+        self.steps[step] = from_lingpack(routing, self.seq_length)
+
+
+def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None, routing: dict | None = None) -> dict:
+    """Train the reference for len(history) steps and compare with lingpack's per-step lm_loss.
+
+    `routing`: lingpack's `{step: trace}` (a RoutingRecorder's `steps`); required by `parity.lock_routing`.
+    """
+    import json
+
     import torch
 
+    from lingpack.parity import routing as routing_lib
     from lingpack.parity.megatron_reference import MegatronReferenceTrainer
     from lingpack.tracking.parity import compute_parity, write_parity_csv
     from lingpack.tracking.plots import plot_loss_curves, plot_parity
@@ -41,6 +71,10 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None)
 
     torch.manual_seed(0)
     steps = len(history)
+    lock = getattr(rc.parity, "lock_routing", False)
+    if lock and (routing is None or any(int(h.get("step", i + 1)) not in routing for i, h in enumerate(history))):
+        raise ValueError("parity.lock_routing=true needs lingpack's routing for every step: train with "
+                         "loop.train(..., routing_callback=RoutingRecorder(seq_length)) and pass its .steps")
     jax_model = initial_model if initial_model is not None else loop.make_model(rc.model, rc.train.seed)
     hf_model = reference_model(rc.model, jax_model)
     z_weight, bias_rate = loss_lib.resolve_moe_weights(rc.loss, rc.model.moe)
@@ -50,11 +84,12 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None)
         micro_batches=rc.train.micro_batches, num_samples=num_samples, moe_z_loss_weight=z_weight,
         expert_bias_rate=bias_rate, cache_dir=rc.data.cache_dir)
     reference_wandb = _reference_wandb(rc)
-    reference = []
+    reference, reference_routing = [], {}
     start = time.perf_counter()
     for step in range(steps):
-        record = trainer.step(step)
-        record["step"] = int(history[step].get("step", step + 1))  # lingpack numbers steps from 1
+        number = int(history[step].get("step", step + 1))  # lingpack numbers steps from 1
+        record, reference_routing[number] = trainer.step(step, routing[number] if lock else None)
+        record["step"] = number
         ours = float(history[step]["lm_loss"])
         record.update(lingpack_lm_loss=ours, rel_diff=abs(ours - record["lm_loss"]) / abs(record["lm_loss"]),
                       tokens=history[step].get("tokens", (step + 1) * rc.data.global_batch_size * rc.data.seq_length))
@@ -68,19 +103,44 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None)
     out = Path(rc.run_dir) / "parity"
     out.mkdir(parents=True, exist_ok=True)
     write_parity_csv(result, out / "parity.csv")
-    plot_parity(result, out / "parity.png", title=f"lm loss parity vs Megatron-semantics reference ({rc.name})")
+    trace = None
+    if routing is not None and trainer.routers:
+        trace = routing_lib.compare(routing, reference_routing, rc.model.moe)
+        trace["loss_rel_diff"] = _around_flip(reference, trace["first_flip"])
+        (out / "routing.json").write_text(json.dumps(trace, indent=1))
+        print(routing_lib.summary_line(trace))
+    flip = trace and trace["first_flip"]
+    marks = {flip["step"]: f"first routing flip (MoE layer {flip['layer']})"} if flip else None
+    plot_parity(result, out / "parity.png", marks=marks,
+                title=f"lm loss parity vs Megatron-semantics reference ({rc.name}{', routing locked' if lock else ''})")
     plot_loss_curves({"lingpack (JAX)": history, "Megatron-semantics reference (PyTorch)": reference},
                      out / "loss_curves.png", metric="lm_loss", title="lm loss: lingpack vs reference")
     summary = {"parity_max_rel": result.max_rel, "parity_mean_rel": result.mean_rel,
                "parity_passed": bool(result.passed), "parity_tolerance": rc.parity.tolerance,
-               "parity_steps": steps, "reference_seconds": seconds}
+               "parity_steps": steps, "reference_seconds": seconds, "parity_lock_routing": bool(lock)}
+    if trace is not None:
+        summary.update(routing_first_flip_step=flip["step"] if flip else None,
+                       routing_first_flip_layer=flip["layer"] if flip else None,
+                       routing_first_flip_margin=flip["lingpack_margin_max"] if flip else None,
+                       routing_total_flips=trace["total_flips"])
     if reference_wandb is not None:
         reference_wandb.summary(summary)
         reference_wandb.finish()
     if metrics_logger is not None:
-        metrics_logger.summary(summary)
+        metrics_logger.summary({k: v for k, v in summary.items() if v is not None})
     print(result.summary())
     return summary
+
+
+def _around_flip(reference: list[dict], flip: dict | None) -> dict | None:
+    """Relative lm-loss difference up to the step before the first flip, at it, and the worst after it."""
+    if flip is None:
+        return None
+    before = [r["rel_diff"] for r in reference if r["step"] < flip["step"]]
+    at = [r["rel_diff"] for r in reference if r["step"] == flip["step"]]
+    after = [r["rel_diff"] for r in reference if r["step"] > flip["step"]]
+    return {"max_before": max(before, default=None), "at": at[0] if at else None,
+            "max_after": max(after, default=None)}
 
 
 def _reference_wandb(rc):

@@ -5,12 +5,21 @@
 * packing: Megatron's varlen meaning (`cu_seqlens` from EOD: a document ends after its EOD, and every
   sample ends one) realised literally: transformers' `KimiLinearForCausalLM` runs each document alone,
   in its own batch row from position 0 (right padding is invisible to a causal model);
-* loss: Megatron's `loss_func` (sum(loss * mask), sum(mask)) per micro-batch, the backward objective
-  the mean of micro-batch token means (or the global token mean with `calculate_per_token_loss`), the
-  reported `lm loss` token-weighted; MoE router z-loss and the auxiliary-loss-free expert-bias update as
-  Ling3 defines them (transformers' router keeps `e_score_correction_bias` as a buffer we update);
-* optimiser: torch AdamW, Megatron's warmup + cosine/linear decay, no decay on norms/biases/A_log/dt_bias,
-  global-norm clipping with Megatron's `max_norm / (norm + 1e-6)`.
+* ranks: each micro-batch's rows split into `loss.megatron_dp_size` contiguous groups, one per Megatron
+  data-parallel rank (its sampler's [micro-batch, rank, row] order); each group runs as its own forward;
+* loss: Megatron's `loss_func` (sum(loss * mask), sum(mask)) per (micro-batch, rank), the backward
+  objective the mean of their token means (or the global token mean with `calculate_per_token_loss`), the
+  reported `lm loss` token-weighted;
+* MoE: the router z-loss is megatron-core's `z_loss_func` per (micro-batch, rank), scaled as its
+  `MoEAuxLossAutoScaler` and `finalize_model_grads` scale it in each loss mode; the expert bias moves by
+  megatron-core's `get_updated_expert_bias` on the step's load counts (single-rank process group), then is
+  re-centred to mean 0 as Ling3 does (a constant shift never changes a choice: glue, not semantics);
+  transformers' router keeps it as `e_score_correction_bias`;
+* routing: every router call is recorded (parity/routing.py); with `lock_routing` the router's top-k ids
+  are replaced by lingpack's for the same tokens, weights still from this side's own scores;
+* optimiser: torch AdamW driven by megatron-core's `OptimizerParamScheduler` (warmup + cosine/linear
+  decay, weight decay through `wd_mult`, 0 on norms/biases/A_log/dt_bias), global-norm clipping with
+  Megatron's `max_norm / (norm + 1e-6)`.
 """
 
 from __future__ import annotations
@@ -58,67 +67,106 @@ class MegatronReferenceTrainer:
     def __init__(self, hf_model, data_cfg, optim_cfg, loss_cfg, *, micro_batches: int, num_samples: int,
                  moe_z_loss_weight: float = 0.0, expert_bias_rate: float = 0.0, cache_dir: str | None = None):
         import torch
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         self.torch = torch
         self.model, self.data_cfg, self.optim_cfg, self.loss_cfg = hf_model, data_cfg, optim_cfg, loss_cfg
         self.micro_batches, self.moe_z_weight, self.bias_rate = micro_batches, moe_z_loss_weight, expert_bias_rate
         self.dataset = megatron_train_dataset(data_cfg, num_samples, cache_dir)
-        from lingpack.train.optim import learning_rate
-        self.schedule = learning_rate(optim_cfg)  # Megatron's schedule (checked against it in tests/train)
         decay, no_decay = [], []
         for name, param in hf_model.named_parameters():  # Megatron/Ling3: no decay on norms, biases, A_log, dt_bias
             plain = param.ndim < 2 or name.endswith(("bias", "A_log", "dt_bias"))
             (no_decay if plain else decay).append(param)
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": decay}, {"params": no_decay, "wd_mult": 0.0}],
             lr=optim_cfg.lr, betas=(optim_cfg.b1, optim_cfg.b2), eps=optim_cfg.eps)
+        decay_steps = max(optim_cfg.decay_steps or 0, optim_cfg.warmup_steps + 1)  # "constant" never reads it
+        self.scheduler = OptimizerParamScheduler(  # counted in updates (Megatron counts samples: same ratios)
+            self.optimizer, init_lr=0.0, max_lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
+            lr_warmup_steps=optim_cfg.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=optim_cfg.schedule,
+            start_wd=optim_cfg.weight_decay, end_wd=optim_cfg.weight_decay, wd_incr_steps=decay_steps,
+            wd_incr_style="constant")
         self.routers = [m for m in hf_model.modules() if type(m).__name__ == "KimiLinearTopkRouter"]
         self._captured: list = []
+        self._lock = None  # (flat indices of the real tokens, per-router lingpack ids) during a locked forward
         for router in self.routers:
-            router.register_forward_hook(lambda module, args, out: self._captured.append((module, out)))
+            router.register_forward_hook(self._router_hook)
+        if self.bias_rate and self.routers:
+            _single_rank_megatron()
 
-    def _micro_batch(self, samples: list[dict]):
-        """Per-token losses of one micro-batch with every document in its own row, starting at position 0.
+    def _router_hook(self, module, args, out):
+        """Record the router's own choice; with a lock, hand the experts lingpack's ids instead."""
+        router_logits, weights, own_ids = out
+        self._captured.append((router_logits, own_ids))
+        if self._lock is None:
+            return None
+        index, locked = self._lock
+        ids = own_ids.clone()
+        ids[index] = locked[len(self._captured) - 1]
+        weights = router_logits.sigmoid().gather(1, ids)  # transformers' weighting, on the locked ids
+        if module.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return router_logits, weights * module.routed_scaling_factor, ids
+
+    def _group(self, samples: list[dict], locked_ids=None):
+        """One (micro-batch, rank) group, every document in its own row, starting at position 0.
 
         Rows are right-padded to the longest document; the model is causal, so padding after a document
         cannot change its logits, and padded positions are masked out of the loss and the router statistics.
-        Returns (loss sum, loss count, router z-loss sum per router, real token count, loads per router).
+        `locked_ids` [L, R, T, k] (lingpack's choice for these R rows) replaces the routers' own.
+        Returns (loss sum, loss count, real tokens, per-router z-loss, per-router loads, routing [L, R, T, .]).
         """
         torch = self.torch
-        docs = [(s["tokens"][a:b], s["labels"][a:b], s["loss_mask"][a:b].float()) for s in samples
-                for a, b in documents(s["tokens"].numpy(), self.data_cfg.eod_id, self.data_cfg.reset_attention_mask)]
-        length = max(len(d[0]) for d in docs)
+        spans = [(r, a, b) for r, s in enumerate(samples)
+                 for a, b in documents(s["tokens"].numpy(), self.data_cfg.eod_id, self.data_cfg.reset_attention_mask)]
+        length = max(b - a for _, a, b in spans)
+        T = len(samples[0]["tokens"])
+        index = torch.zeros(len(samples) * T, dtype=torch.long)  # lingpack token (r, t) -> padded flat position
+        for d, (r, a, b) in enumerate(spans):
+            index[r * T + a:r * T + b] = d * length + torch.arange(b - a)
         pad = lambda x: torch.nn.functional.pad(x, (0, length - len(x)))
-        tokens = torch.stack([pad(d[0]) for d in docs])
-        labels = torch.stack([pad(d[1]) for d in docs])
-        mask = torch.stack([pad(d[2]) for d in docs])                    # 0 on padding
-        real = torch.stack([pad(torch.ones(len(d[0]))) for d in docs]).bool().reshape(-1)
+        tokens = torch.stack([pad(samples[r]["tokens"][a:b]) for r, a, b in spans])
+        labels = torch.stack([pad(samples[r]["labels"][a:b]) for r, a, b in spans])
+        mask = torch.stack([pad(samples[r]["loss_mask"][a:b].float()) for r, a, b in spans])  # 0 on padding
+        padding = torch.ones(len(spans) * length, dtype=torch.bool)
+        padding[index] = False
         self._captured.clear()
-        logits = self.model(input_ids=tokens).logits.float()             # fp32 logits
+        locked = None if locked_ids is None else [torch.as_tensor(ids).reshape(-1, ids.shape[-1]).long()
+                                                  for ids in locked_ids]      # per router [R*T, k]
+        self._lock = None if locked is None else (index, locked)
+        try:
+            logits = self.model(input_ids=tokens).logits.float()         # fp32 logits
+        finally:
+            self._lock = None
         xent = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                  reduction="none").reshape(labels.shape)
-        z_sum, loads = {}, {}
-        for module, (router_logits, _, topk) in self._captured:
-            z_sum[module] = torch.sum(torch.logsumexp(router_logits[real], dim=-1) ** 2)
-            loads[module] = torch.bincount(topk[real].reshape(-1), minlength=module.num_experts)
-        return torch.sum(xent * mask), torch.sum(mask), z_sum, int(real.sum()), loads
+        from megatron.core.transformer.moe.moe_utils import z_loss_func
+        z, loads, routing = [], [], {k: [] for k in ("expert_ids", "router_logits")}
+        for n, (router_logits, own_ids) in enumerate(self._captured):
+            own = own_ids[index]                                         # [R*T, k] in lingpack's token order
+            used = own if locked is None else locked[n]
+            z.append(z_loss_func(router_logits, self.moe_z_weight, padding_mask=padding))  # weight * mean over real
+            loads.append(torch.bincount(used.reshape(-1), minlength=self.routers[n].num_experts))
+            routing["expert_ids"].append(own.reshape(len(samples), T, -1).numpy())
+            routing["router_logits"].append(router_logits[index].detach().reshape(len(samples), T, -1).numpy())
+        return torch.sum(xent * mask), torch.sum(mask), int((~padding).sum()), z, loads, routing
 
-    def step(self, step: int) -> dict:
-        """One optimizer step on global batch `step`; returns Megatron's reported metrics."""
+    def step(self, step: int, locked: dict | None = None) -> tuple[dict, dict]:
+        """One optimizer step on global batch `step` -> (Megatron's reported metrics, this side's routing or None).
+
+        `locked`: lingpack's routing of this step (routing.py layout); its expert ids replace the routers'.
+        """
         torch = self.torch
-        G = self.data_cfg.global_batch_size
-        rows = [self.dataset[i] for i in range(step * G, (step + 1) * G)]
-        per_micro = G // self.micro_batches
+        B, M, G = self.data_cfg.global_batch_size, self.micro_batches, self.loss_cfg.megatron_dp_size
+        rows = [self.dataset[i] for i in range(step * B, (step + 1) * B)]
+        per_group = B // (M * G)
+        bias = np.stack([r.e_score_correction_bias.numpy().copy() for r in self.routers]) if self.routers else None
         self.optimizer.zero_grad(set_to_none=True)
-        results = [self._micro_batch(rows[m * per_micro:(m + 1) * per_micro]) for m in range(self.micro_batches)]
-        total_count = sum(r[1] for r in results)
-        objective = torch.zeros(())
-        for loss_sum, count, z_sum, z_tokens, _ in results:
-            if self.loss_cfg.mode == "per_token" or self.loss_cfg.calculate_per_token_loss:
-                objective = objective + loss_sum / total_count
-            else:  # Megatron default: each micro-batch's token mean, scaled by 1/num_micro_batches
-                objective = objective + loss_sum / count / self.micro_batches
-            if self.moe_z_weight:
-                objective = objective + self.moe_z_weight * sum(z / z_tokens for z in z_sum.values()) / self.micro_batches
+        results = []
+        for u in range(M * G):  # Megatron's order: micro-batch, then rank
+            chunk = slice(u * per_group, (u + 1) * per_group)
+            results.append(self._group(rows[chunk], None if locked is None else locked["expert_ids"][:, chunk]))
+        lm_total = sum(r[1] for r in results)
+        objective = megatron_objective([r[:4] for r in results], self.loss_cfg, M * G, with_z=bool(self.moe_z_weight))
         objective.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = float(torch.sqrt(sum(torch.sum(p.grad.double() ** 2) for p in params)))
@@ -128,15 +176,66 @@ class MegatronReferenceTrainer:
             if coeff < 1.0:
                 for p in params:
                     p.grad.mul_(coeff)
-        lr = float(self.schedule(step))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
-        if self.bias_rate:
-            with torch.no_grad():
-                for router in self.routers:
-                    load = sum(r[4][router] for r in results).float()
-                    bias = router.e_score_correction_bias + self.bias_rate * torch.sign(load.mean() - load)
-                    router.e_score_correction_bias.copy_(bias - bias.mean())
-        lm_loss = float(sum(r[0].detach() for r in results) / total_count)
-        return {"step": step, "lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr, "loss_tokens": float(total_count)}
+        self.scheduler.step(increment=1)
+        if self.bias_rate and self.routers:
+            self._update_expert_bias([sum(r[4][n] for r in results) for n in range(len(self.routers))])
+        lm_loss = float(sum(r[0].detach() for r in results) / lm_total)
+        routing = None
+        if self.routers:  # [L, rows of each group, T, .] -> [L, B, T, .]
+            routing = {k: np.concatenate([np.stack(r[5][k]) for r in results], axis=1)
+                       for k in ("expert_ids", "router_logits")}
+            routing["expert_bias"] = bias
+        return ({"step": step, "lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr,
+                 "loss_tokens": float(lm_total)}, routing)
+
+    def _update_expert_bias(self, loads: list) -> None:
+        """megatron-core's update on the step's loads [L, E], re-centred (Ling3), into the routers' buffers."""
+        torch = self.torch
+        from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+        biases = torch.stack([r.e_score_correction_bias for r in self.routers])
+        updated = get_updated_expert_bias(torch.stack(loads).float(), biases, self.bias_rate)
+        with torch.no_grad():
+            for router, bias in zip(self.routers, updated):
+                router.e_score_correction_bias.copy_(bias - bias.mean())
+
+
+def megatron_objective(groups: list, loss_cfg, num_groups: int, *, with_z: bool = True):
+    """The step objective from per-(micro-batch, rank) results (loss sum, loss count, real tokens, z-losses).
+
+    Each z-loss is megatron-core's `z_loss_func` value (weight x mean over the group's real tokens), one
+    per MoE layer. Megatron default: lm token means and z-losses summed over groups / num_groups (the
+    AutoScaler's 1/num_micro_batches, then the data-parallel average); calculate_per_token_loss: sums over
+    the step's loss tokens (the AutoScaler gets z * num_tokens, finalize_model_grads divides by the total);
+    lingpack's per_token mode: lm over loss tokens, z over real tokens (train/loss.py).
+    """
+    import torch
+    lm_total = sum(g[1] for g in groups)
+    real_total = sum(g[2] for g in groups)
+    per_token = loss_cfg.mode == "per_token" or loss_cfg.calculate_per_token_loss
+    objective = torch.zeros(())
+    for loss_sum, count, real, z in groups:
+        if per_token:
+            objective = objective + loss_sum / torch.clamp(lm_total, min=1.0)
+        else:  # Megatron default: each (micro-batch, rank) token mean; grads / num_micro_batches, DP-averaged
+            objective = objective + loss_sum / torch.clamp(count, min=1.0) / num_groups
+        if with_z and z:
+            z_mean = sum(z)
+            if loss_cfg.mode == "per_token":      # lingpack's global per-token mean over real tokens
+                objective = objective + z_mean * real / max(real_total, 1)
+            elif loss_cfg.calculate_per_token_loss:  # z * num_tokens, then finalize / total loss tokens
+                objective = objective + z_mean * real / torch.clamp(lm_total, min=1.0)
+            else:                                  # AutoScaler scale 1/num_micro_batches, DP average
+                objective = objective + z_mean / num_groups
+    return objective
+
+
+def _single_rank_megatron() -> None:
+    """A one-process gloo group and megatron-core's parallel state (its bias update all-reduces over it)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()

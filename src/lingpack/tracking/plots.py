@@ -53,8 +53,11 @@ def plot_loss_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str 
     return _save(fig, path)
 
 
-def plot_parity(result: Any, path: str | Path, *, title: str | None = None) -> str:
-    """Two panels: both loss curves, and rel diff per step (log scale) with the tolerance line."""
+def plot_parity(result: Any, path: str | Path, *, title: str | None = None,
+                marks: Mapping[int, str] | None = None) -> str:
+    """Two panels: both loss curves, and rel diff per step (log scale) with the tolerance line.
+
+    `marks`: {step: label} drawn as vertical lines on both panels (e.g. the first routing flip)."""
     rows = result.rows
     if not rows:
         raise ValueError("plot_parity: no aligned steps to draw.")
@@ -75,6 +78,9 @@ def plot_parity(result: Any, path: str | Path, *, title: str | None = None) -> s
         bottom.semilogy([r.step for r in failures],
                         [r.rel_diff if math.isfinite(r.rel_diff) else result.tolerance * 10
                          for r in failures], "rx", label=f"{len(failures)} steps over tolerance")
+    for step, label in (marks or {}).items():
+        for axis in (top, bottom):
+            axis.axvline(step, color="tab:purple", linestyle="--", linewidth=1.0, label=label if axis is bottom else None)
     bottom.set_xlabel("step")
     bottom.set_ylabel(f"relative difference\n(exact 0 drawn at {REL_DIFF_FLOOR:g})")
     bottom.grid(True, which="both", alpha=0.3)

@@ -1,7 +1,7 @@
 """The training loop: data -> sharded step -> metrics, with checkpoint/resume and preemption handling.
 
     result = train(model_cfg, data_cfg, loss_cfg, optim_cfg, parallel_cfg, ckpt_cfg, train_cfg,
-                   metrics_callback=None, on_start=None)
+                   metrics_callback=None, on_start=None, routing_callback=None)
 
 On start the latest checkpoint in `ckpt_cfg.directory` is restored (state and data position), else the
 state is initialised directly in its shardings; `on_start(step)` then hears the step training continues
@@ -13,7 +13,9 @@ Every `train.eval_every` steps the valid split is evaluated (evaluate.py; its `v
 step's record) and, when the run completes, the valid and test splits once more (`TrainResult.final_eval`).
 Checkpoints every `save_every` steps, at the end, on SIGTERM/SIGINT (then the loop returns with
 `preempted=True`) and before halting on a non-finite loss or (overflow_policy="halt") on documents
-beyond the kernel's max_segs, which no update has then included.
+beyond the kernel's max_segs, which no update has then included. With `routing_callback`, the step also
+returns its MoE routing (step.py `trace_routing`), handed to `routing_callback(step, routing)` as numpy
+arrays (the parity harness's routing trace).
 
 `model_cfg` is a `Ling3Config`, or any frozen config with `make_model(rngs) -> nnx.Module` whose call
 returns a `Ling3Output` (tests use a small stand-in that way).
@@ -141,7 +143,8 @@ def _progress(train_cfg: TrainConfig, start: int):
 
 
 def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
-          ckpt_cfg: CheckpointConfig, train_cfg: TrainConfig, *, metrics_callback=None, on_start=None) -> TrainResult:
+          ckpt_cfg: CheckpointConfig, train_cfg: TrainConfig, *, metrics_callback=None, on_start=None,
+          routing_callback=None) -> TrainResult:
     optim_cfg = optim_lib.resolve(optim_cfg, train_cfg.steps)
     mesh = shard_lib.make_mesh(parallel_cfg)
     rules = parallel_cfg.rules
@@ -173,7 +176,8 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
         on_start(start)
     step_fn = make_train_step(model_def, loss_cfg, optim_cfg, micro_batches=train_cfg.micro_batches, mesh=mesh,
                               rules=rules, shardings=shardings, context=context,
-                              halt_on_overflow=train_cfg.overflow_policy == "halt")
+                              halt_on_overflow=train_cfg.overflow_policy == "halt",
+                              trace_routing=routing_callback is not None)
     evaluators = make_evaluators(model_def, data_cfg, loss_cfg, train_cfg, mesh=mesh, rules=rules, context=context)
 
     peak = train_cfg.peak_flops_per_device or flops_lib.peak_flops_per_device()
@@ -214,7 +218,10 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                     local = reorder_batch(local, context.size)
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, shard_lib.shard_batch(local, mesh, rules))
-                metrics = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+                metrics = jax.device_get(metrics)  # waits for the step
+                if routing_callback is not None:
+                    routing_callback(step + 1, metrics.pop("routing"))
+                metrics = {k: _scalar(v) for k, v in metrics.items()}
                 dt = time.perf_counter() - t0
                 metrics.update(step=step + 1, step_time_s=dt, tokens_per_s=metrics["tokens"] / dt,
                                data_fingerprint=fingerprint)

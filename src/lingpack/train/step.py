@@ -176,9 +176,12 @@ def _packing_metrics(seg_MBT: jax.Array, model_cfg, context: ContextParallel | N
     return out
 
 
+ROUTING_KEYS = ("expert_ids", "router_logits", "expert_bias")  # the MoE aux entries of the routing trace
+
+
 def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict, rest: dict, batch: dict, *,
                          micro_batches: int, mesh: Mesh | None = None, rules=None, params_shardings=None,
-                         context: ContextParallel | None = None):
+                         context: ContextParallel | None = None, trace_routing: bool = False):
     """(gradient of the step objective w.r.t. params in fp32, statistics summed over micro-batches, micro-batches).
 
     The [B, T] batch becomes [M, B/M, T] (documents beyond the kernel's max_segs dropped per micro-batch,
@@ -186,13 +189,16 @@ def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict
     per micro-batch and sums gradients and statistics (each micro-batch's objective share already carries
     its 1/M or 1/N_total). The statistics hold the drop counts.
     `context`: the model and loss are traced under it (parallel/context.py); the batch is in its layout.
+    `trace_routing`: statistics also hold `routing`, each micro-batch's MoE routing exactly as the step
+    used it (ROUTING_KEYS, stacked [M, L_moe, ...]; see parity/routing.py).
     """
     with context_parallel(context):
         return _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings,
-                           context)
+                           context, trace_routing)
 
 
-def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings, context):
+def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings, context,
+                trace_routing):
     M = micro_batches
     B = batch["inputs"].shape[0]
     if B % M:
@@ -213,32 +219,41 @@ def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, r
             obj, stats = loss_lib.micro_batch_loss(out.logits_BTV, list(out.mtp_logits), out.moe_aux, mb, loss_cfg,
                                                    totals, num_micro_batches=M, moe_z_loss_weight=moe_z_weight)
             stats["load_counts"] = out.moe_aux["load_counts"].astype(jnp.float32)
-            return obj, stats
+            if trace_routing and not set(ROUTING_KEYS) <= set(out.moe_aux):
+                raise ValueError(f"trace_routing needs the model's moe_aux to hold {ROUTING_KEYS}; it has "
+                                 f"{sorted(out.moe_aux)} (lingpack.models.moe.MoE returns them)")
+            routing = {k: out.moe_aux[k] for k in ROUTING_KEYS} if trace_routing else {}
+            return obj, (stats, routing)
         return jax.value_and_grad(objective, has_aux=True)(params)
 
     def body(carry, mb):
         grads_acc, stats_acc = carry
-        (_, stats), grads = micro_step(mb)
+        (_, (stats, routing)), grads = micro_step(mb)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)  # fp32 accumulation
-        return (grads_acc, jax.tree.map(jnp.add, stats_acc, stats)), None
+        return (grads_acc, jax.tree.map(jnp.add, stats_acc, stats)), routing
 
-    stats_shape = jax.eval_shape(lambda: micro_step(jax.tree.map(lambda v: v[0], micro))[0][1])
+    stats_shape = jax.eval_shape(lambda: micro_step(jax.tree.map(lambda v: v[0], micro))[0][1][0])
     grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     if params_shardings is not None:
         grads0 = jax.lax.with_sharding_constraint(grads0, params_shardings)
     stats0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
-    (grads, stats), _ = jax.lax.scan(body, (grads0, stats0), kept)
-    return grads, dict(stats, **dropped), micro
+    (grads, stats), routing = jax.lax.scan(body, (grads0, stats0), kept)
+    stats = dict(stats, **dropped)
+    if trace_routing:
+        stats["routing"] = routing
+    return grads, stats, micro
 
 
 def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimConfig, *, micro_batches: int,
                     mesh: Mesh | None = None, rules=None, shardings: TrainState | None = None, donate: bool = True,
-                    context: ContextParallel | None = None, halt_on_overflow: bool = False):
+                    context: ContextParallel | None = None, halt_on_overflow: bool = False,
+                    trace_routing: bool = False):
     """Jitted `step(state, batch) -> (state, metrics)`; `batch` holds global [B, T] int32 arrays (in
     `context`'s token layout when context parallelism is on).
 
     The update is applied when the loss and gradient norm are finite and, with `halt_on_overflow`, no
     document was dropped; otherwise only `step` advances (`metrics['applied'] == 0`).
+    `trace_routing`: metrics also hold `routing` (see `accumulate_gradients`).
     """
     tx = make_optimizer(optim_cfg)
     lr_fn = learning_rate(optim_cfg)
@@ -249,7 +264,8 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
     def step(state: TrainState, batch: dict):
         grads, stats, micro = accumulate_gradients(
             model_def, loss_cfg, state.params, state.rest, batch, micro_batches=M, mesh=mesh, rules=rules,
-            params_shardings=None if shardings is None else shardings.params, context=context)
+            params_shardings=None if shardings is None else shardings.params, context=context,
+            trace_routing=trace_routing)
         grad_norm = global_norm(grads)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
@@ -273,6 +289,8 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
                        applied=applied.astype(jnp.int32), tokens=jnp.int32(batch["inputs"].size),
                        dropped_documents=stats["dropped_documents"], dropped_tokens=stats["dropped_tokens"],
                        **_packing_metrics(micro["inputs_segmentation"], model_cfg, context))
+        if trace_routing:
+            metrics["routing"] = stats["routing"]
         return new_state, metrics
 
     kwargs = {}

@@ -1,0 +1,137 @@
+"""The routing trace and routing-locked parity: lingpack's MoE selections against the reference's."""
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lingpack.models.moe import MoEConfig
+from lingpack.parity import routing as routing_lib
+from tests.parity.test_parity_harness import parity_config
+
+SMALL = ["data.num_samples=40", "data.global_batch_size=4", "data.seq_length=96", "logger=none",
+         "train.progress_bar=false"]
+
+
+def test_decision_margin_group_and_expert_gaps():
+    cfg = MoEConfig(num_experts=4, top_k=1, n_groups=2, topk_groups=1)
+    logit = lambda p: np.log(p / (1 - p))  # sigmoid^-1: choice scores are then exactly p + bias
+    logits = logit(np.array([[0.9, 0.1, 0.6, 0.3]]))
+    # groups {0,1}: 1.0, {2,3}: 0.9 -> group gap 0.1; inside group 0 the expert gap is 0.9 - 0.1 = 0.8
+    np.testing.assert_allclose(routing_lib.decision_margin(logits, np.zeros(4), cfg), [0.1], rtol=1e-9)
+    bias = np.array([0.0, 0.0, 0.04, 0.0])  # group {2,3} rises to 0.94: the gap shrinks to 0.06
+    np.testing.assert_allclose(routing_lib.decision_margin(logits, bias, cfg), [0.06], rtol=1e-9)
+    flat = MoEConfig(num_experts=4, top_k=2)  # no groups: the 2nd best (0.6) vs the 3rd (0.3)
+    np.testing.assert_allclose(routing_lib.decision_margin(logits, np.zeros(4), flat), [0.3], rtol=1e-9)
+
+
+def test_compare_reports_the_first_differing_step_and_layer():
+    cfg = MoEConfig(num_experts=4, top_k=2, n_groups=2, topk_groups=1)
+    rng = np.random.default_rng(0)
+    trace = lambda: {"expert_ids": np.tile(np.array([0, 1]), (3, 2, 5, 1)),
+                     "router_logits": rng.normal(size=(3, 2, 5, 4)).astype(np.float32),
+                     "expert_bias": np.zeros((3, 4), np.float32)}
+    ours = {1: trace(), 2: trace(), 3: trace()}
+    theirs = {s: {k: v.copy() for k, v in t.items()} for s, t in ours.items()}
+    theirs[1]["expert_ids"] = theirs[1]["expert_ids"][..., ::-1]  # same sets in another order: no flip
+    assert routing_lib.compare(ours, theirs, cfg)["first_flip"] is None
+    theirs[2]["expert_ids"][2, 1, 4] = [3, 2]
+    theirs[3]["expert_ids"][0, 0, 0] = [2, 3]
+    report = routing_lib.compare(ours, theirs, cfg)
+    first = report["first_flip"]
+    assert (first["step"], first["layer"], first["tokens"], first["where"]) == (2, 2, 1, [(1, 4)])
+    assert report["flips_per_step"] == {1: 0, 2: 1, 3: 1} and report["total_flips"] == 2
+
+
+def test_from_lingpack_orders_micro_batches_into_rows():
+    M, L, R, T, k = 2, 3, 2, 4, 2
+    ids = np.arange(M * L * R * T * k).reshape(M, L, R * T, k)
+    out = routing_lib.from_lingpack({"expert_ids": ids, "router_logits": ids[..., :1] * 1.0,
+                                     "expert_bias": np.zeros((M, L, 4))}, seq_length=T)
+    assert out["expert_ids"].shape == (L, M * R, T, k)
+    np.testing.assert_array_equal(out["expert_ids"][1, R + 1, 2], ids[1, 1, T + 2])  # micro 1, row 1, t 2
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """lingpack trained 10 fp32 steps with its routing recorded (shared by the tests below)."""
+    from lingpack.parity.harness import RoutingRecorder
+    from lingpack.train import loop
+    tmp = tmp_path_factory.mktemp("routing")
+    rc = parity_config(tmp, ["train.steps=10", *SMALL])
+    recorder = RoutingRecorder(rc.data.seq_length)
+    result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
+                        routing_callback=recorder)
+    return rc, result.history, recorder.steps
+
+
+def _with(rc, run_dir, **parity):
+    return dataclasses.replace(rc, run_dir=str(run_dir), parity=dataclasses.replace(rc.parity, **parity))
+
+
+def test_routing_locked_ten_step_parity(trained, tmp_path):
+    from lingpack.parity.harness import run_parity
+    rc, history, routing = trained
+    assert set(routing) == set(range(1, 11))
+    summary = run_parity(_with(rc, tmp_path, lock_routing=True), history, routing=routing)
+    assert summary["parity_lock_routing"] and summary["parity_steps"] == 10
+    assert summary["parity_max_rel"] <= 1e-5, summary
+    trace = json.loads((tmp_path / "parity" / "routing.json").read_text())
+    assert trace["steps"] == 10  # the reference's own choices were still traced against lingpack's
+    assert trace["first_flip"] is None and summary["routing_total_flips"] == 0
+
+
+def test_trace_reports_an_injected_flip_and_none_without_one(trained, tmp_path):
+    from lingpack.parity.harness import run_parity
+    from lingpack.train import loop
+    rc, history, routing = trained
+    clean = run_parity(_with(rc, tmp_path / "clean"), history[:2], routing=routing)  # routing not locked
+    assert clean["routing_first_flip_step"] is None and clean["routing_total_flips"] == 0
+    assert clean["parity_max_rel"] <= 1e-5
+
+    perturbed = loop.make_model(rc.model, rc.train.seed)  # the reference starts from it; lingpack did not
+    router = perturbed.moe_layers()[1].router
+    router[...] = router[...].at[:, [0, 2]].set(router[...][:, [2, 0]])  # swap an expert of each group
+    summary = run_parity(_with(rc, tmp_path / "flip"), history[:1], initial_model=perturbed, routing=routing)
+    assert (summary["routing_first_flip_step"], summary["routing_first_flip_layer"]) == (1, 1)
+    trace = json.loads((tmp_path / "flip" / "parity" / "routing.json").read_text())
+    first = trace["first_flip"]
+    assert first["tokens"] > 0 and first["flipped_logit_diff_max"] > 0
+    assert trace["flips_per_step"] == {"1": trace["total_flips"]}
+    assert np.isfinite(first["lingpack_margin_max"]) and first["lingpack_margin_max"] >= 0
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured 1.0e-3 at step 50: past step ~24 the two sides drift apart with "
+                   "routing locked too, as lingpack does from a 1-ulp change of its own initial weights "
+                   "(experiments/loss_parity/sensitivity.py); see the README's loss parity section")
+def test_routing_locked_fifty_step_parity(tmp_path):
+    from lingpack.parity.harness import RoutingRecorder, run_parity
+    from lingpack.train import loop
+    rc = parity_config(tmp_path, ["train.steps=50", "data.num_samples=400", "logger=none",
+                                  "train.progress_bar=false", "parity.lock_routing=true"])
+    recorder = RoutingRecorder(rc.data.seq_length)
+    result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
+                        routing_callback=recorder)
+    summary = run_parity(rc, result.history, routing=recorder.steps)
+    assert summary["parity_max_rel"] <= 1e-4, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", [["loss.calculate_per_token_loss=true"], ["loss.mode=per_token"],
+                                  ["loss.megatron_dp_size=2"]], ids=["per_token_loss", "per_token_mode", "dp2"])
+def test_routing_locked_parity_in_every_loss_mode(tmp_path, loss):
+    """Both trainers end to end in each loss mode, routing locked, z-loss weight raised to 0.05.
+
+    Adam's scale invariance hides small z-loss scaling errors here (a 1% wrong denominator passed); the
+    z-loss forms themselves are pinned by tests/parity/test_megatron_reference.py."""
+    from lingpack.parity.harness import RoutingRecorder, run_parity
+    from lingpack.train import loop
+    rc = parity_config(tmp_path, ["train.steps=4", *SMALL, "parity.lock_routing=true",
+                                  "loss.moe_z_loss_weight=0.05", *loss])
+    recorder = RoutingRecorder(rc.data.seq_length)
+    result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
+                        routing_callback=recorder)
+    summary = run_parity(rc, result.history, routing=recorder.steps)
+    assert summary["parity_max_rel"] <= 1e-5, summary

@@ -3,6 +3,8 @@
 Mesh data=2 x context=4; rows of 64 tokens: contiguous blocks of 16, zigzag chunks of 8, so the conv's
 3-token halo and documents of 1-2 tokens meet block boundaries in every way.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +71,21 @@ def test_short_conv_halo_matches_one_device(mesh, rows, load_balance):
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-5, atol=1e-5)
 
 
+@functools.lru_cache(maxsize=None)
+def cp_rolls(mesh, load_balance):
+    """One jitted CP program: the embedding roll and its gradient, the token roll, depth-2 MTP targets/mask."""
+    roll = lambda ndim: sharded(mesh, roll_and_mask_by_segment, ndim, side="next", width=1, load_balance=load_balance)
+
+    def run(emb, tokens, mask, seg, w):
+        grad = jax.grad(lambda e: jnp.sum(roll(3)(e, seg) * w))(emb)
+        rolled_emb = roll(3)(emb, seg)
+        tgt, m = tokens, mask
+        for _ in range(3):  # MTP depth 2 looks three tokens ahead
+            tgt, m = roll(2)(tgt, seg), roll(2)(m, seg)
+        return rolled_emb, grad, roll(2)(tokens, seg), tgt, m
+    return jax.jit(run)
+
+
 @pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "zigzag"])
 @pytest.mark.parametrize("rows", sorted(ROWS))
 def test_mtp_roll_matches_one_device(mesh, rows, load_balance):
@@ -76,26 +93,16 @@ def test_mtp_roll_matches_one_device(mesh, rows, load_balance):
     seg = segments_from_lengths(ROWS[rows], T)
     emb = rng.standard_normal((B, T, C)).astype(np.float32)
     tokens = rng.integers(1, 100, (B, T)).astype(np.int32)
-    roll = lambda x, s: roll_and_mask_by_segment(x, s)
-    for x in (emb, tokens):
-        cp = sharded(mesh, roll, x.ndim, side="next", width=1, load_balance=load_balance)
-        got = restore(jax.jit(cp)(layout(x, load_balance), layout(seg, load_balance)), load_balance)
-        np.testing.assert_array_equal(got, roll_and_mask_by_segment(x, seg))
-    # MTP depth 2's targets and mask (three rolls) and the gradient through the embedding roll
     mask = (seg > 0).astype(np.int32)
-    cp = sharded(mesh, roll, 2, side="next", width=1, load_balance=load_balance)
-    tgt, m = tokens, mask
-    for _ in range(3):
-        tgt, m = (cp(layout(a, load_balance), layout(seg, load_balance)) for a in (tgt, m))
-        tgt, m = restore(tgt, load_balance), restore(m, load_balance)
-    ref_tgt, ref_mask = mtp_targets(tokens, mask, 2, seg)
-    np.testing.assert_array_equal(tgt, ref_tgt)
-    np.testing.assert_array_equal(m, ref_mask)
     w = rng.standard_normal((B, T, C)).astype(np.float32)
-    cp = sharded(mesh, roll, 3, side="next", width=1, load_balance=load_balance)
-    got = jax.grad(lambda e: jnp.sum(cp(e, layout(seg, load_balance)) * layout(w, load_balance)))(layout(emb, load_balance))
-    ref = jax.grad(lambda e: jnp.sum(roll_and_mask_by_segment(e, seg) * w))(emb)
-    np.testing.assert_array_equal(restore(got, load_balance), ref)
+    got = cp_rolls(mesh, load_balance)(*(layout(a, load_balance) for a in (emb, tokens, mask, seg, w)))
+    got = [restore(a, load_balance) for a in got]
+    ref_grad = jax.grad(lambda e: jnp.sum(roll_and_mask_by_segment(e, seg) * w))(emb)
+    ref_tgt, ref_mask = mtp_targets(tokens, mask, 2, seg)
+    expected = [roll_and_mask_by_segment(emb, seg), ref_grad, roll_and_mask_by_segment(tokens, seg), ref_tgt, ref_mask]
+    for name, a, e in zip(["rolled embeddings", "their gradient", "rolled tokens", "depth-2 targets", "depth-2 mask"],
+                          got, expected):
+        np.testing.assert_array_equal(a, np.asarray(e).astype(a.dtype), err_msg=name)
 
 
 def test_blocks_shorter_than_the_halo_name_the_fix(mesh):

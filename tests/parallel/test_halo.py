@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from lingpack.models.layers import segment_causal_conv
 from lingpack.models.mtp import mtp_targets, roll_and_mask_by_segment
@@ -37,15 +37,10 @@ def restore(x, load_balance):
     return reorder.restore_order(np.asarray(x), N) if load_balance else np.asarray(x)
 
 
-def sharded(mesh, fn, x_ndim, *, side, width, load_balance, params=()):
+def sharded(mesh, fn, *, side, width, load_balance, params=()):
     """fn(x, seg, *params) run per context block with neighbours, on global arrays (rows over `data`)."""
-    x_spec = P("data", "context", *([None] * (x_ndim - 2)))
-
-    def local(x, seg, *params):
-        return halo.apply_with_neighbours(lambda a, s: fn(a, s, *params), x, seg, side=side, width=width,
-                                          axis_name="context", load_balance=load_balance)
-    return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, P("data", "context")) + (P(),) * len(params),
-                         out_specs=x_spec)
+    return lambda x, seg, *params: halo.context_neighbours(fn, x, seg, *params, mesh=mesh, load_balance=load_balance,
+                                                           batch_axes=("data",), side=side, width=width)
 
 
 def conv(x, seg, kernel):
@@ -60,7 +55,7 @@ def test_short_conv_halo_matches_one_device(mesh, rows, load_balance):
     kernel = rng.standard_normal((WIDTH, C)).astype(np.float32)
     w = rng.standard_normal((B, T, C)).astype(np.float32)
     seg = segments_from_lengths(ROWS[rows], T)
-    cp = sharded(mesh, conv, 3, side="previous", width=WIDTH - 1, load_balance=load_balance, params=(kernel,))
+    cp = sharded(mesh, conv, side="previous", width=WIDTH - 1, load_balance=load_balance, params=(kernel,))
     y = restore(jax.jit(cp)(layout(x, load_balance), layout(seg, load_balance), kernel), load_balance)
     np.testing.assert_allclose(y, conv(x, seg, kernel), rtol=1e-6, atol=1e-6)
 
@@ -74,15 +69,15 @@ def test_short_conv_halo_matches_one_device(mesh, rows, load_balance):
 @functools.lru_cache(maxsize=None)
 def cp_rolls(mesh, load_balance):
     """One jitted CP program: the embedding roll and its gradient, the token roll, depth-2 MTP targets/mask."""
-    roll = lambda ndim: sharded(mesh, roll_and_mask_by_segment, ndim, side="next", width=1, load_balance=load_balance)
+    roll = sharded(mesh, roll_and_mask_by_segment, side="next", width=1, load_balance=load_balance)
 
     def run(emb, tokens, mask, seg, w):
-        grad = jax.grad(lambda e: jnp.sum(roll(3)(e, seg) * w))(emb)
-        rolled_emb = roll(3)(emb, seg)
+        grad = jax.grad(lambda e: jnp.sum(roll(e, seg) * w))(emb)
+        rolled_emb = roll(emb, seg)
         tgt, m = tokens, mask
         for _ in range(3):  # MTP depth 2 looks three tokens ahead
-            tgt, m = roll(2)(tgt, seg), roll(2)(m, seg)
-        return rolled_emb, grad, roll(2)(tokens, seg), tgt, m
+            tgt, m = roll(tgt, seg), roll(m, seg)
+        return rolled_emb, grad, roll(tokens, seg), tgt, m
     return jax.jit(run)
 
 
@@ -107,6 +102,6 @@ def test_mtp_roll_matches_one_device(mesh, rows, load_balance):
 
 def test_blocks_shorter_than_the_halo_name_the_fix(mesh):
     x, seg = np.zeros((B, 8, C), np.float32), np.ones((B, 8), np.int32)
-    cp = sharded(mesh, conv, 3, side="previous", width=3, load_balance=True, params=(np.zeros((4, C), np.float32),))
+    cp = sharded(mesh, conv, side="previous", width=3, load_balance=True, params=(np.zeros((4, C), np.float32),))
     with pytest.raises(ValueError, match="neighbour tokens"):
         cp(x, seg, np.zeros((4, C), np.float32))

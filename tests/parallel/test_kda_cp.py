@@ -56,7 +56,7 @@ def from_layout(x, load_balance):
 def cp_fns(mesh, load_balance, gate=False):
     def run(q, k, v, g, beta, seg, h0, *gate_params):
         kw = gate_kwargs(*gate_params) if gate else {}
-        return kda_cp.chunk_kda_context_parallel(q, k, v, g, beta, segment_ids=seg, mesh=mesh, batch_axes="data",
+        return kda_cp.chunk_kda_context_parallel(q, k, v, g, beta, segment_ids=seg, mesh=mesh, batch_axes=("data",),
                                                  load_balance=load_balance, initial_state=h0,
                                                  output_final_state=True, chunk_size=CHUNK, **kw)
     return run
@@ -187,4 +187,27 @@ def test_bad_length_names_the_fix(mesh):
     xs = inputs("one_document_per_row")
     with pytest.raises(ValueError, match="2 x context=4"):
         kda_cp.chunk_kda_context_parallel(*[x[:, :100] for x in xs[:5]], segment_ids=xs[5][:, :100], mesh=mesh,
-                                          batch_axes="data", load_balance=True)
+                                          batch_axes=("data",), load_balance=True)
+
+
+@pytest.mark.slow
+def test_heads_split_over_tensor_with_gate_parameters():
+    """context=4 x tensor=2: each device runs one head; A_log / dt_bias are split with the heads."""
+    mesh = Mesh(np.array(jax.devices()[:2 * N]).reshape(N, 2), ("context", "tensor"))
+    xs = inputs("crossing_and_mid_block", seed=6)
+    rng = np.random.default_rng(7)
+    xs[3] = rng.standard_normal((B, T, H, K)).astype(np.float32)
+    A_log, dt_bias = np.log(np.array([2.0, 9.0], np.float32)), rng.standard_normal(H * K).astype(np.float32)
+    w_o, w_s = rng.standard_normal((B, T, H, V)).astype(np.float32), rng.standard_normal((B, H, K, V)).astype(np.float32)
+
+    def run(q, k, v, g, beta, seg, h0, A_log, dt_bias):
+        return kda_cp.chunk_kda_context_parallel(q, k, v, g, beta, segment_ids=seg, mesh=mesh, head_axes=("tensor",),
+                                                 load_balance=True, initial_state=h0, output_final_state=True,
+                                                 chunk_size=CHUNK, **gate_kwargs(A_log, dt_bias))
+    argnums = (0, 3, 7, 8)
+    ref = grads_of(single_fn(gate=True), argnums)(*xs, A_log, dt_bias, w_o, w_s)
+    got = grads_of(run, argnums)(*to_layout(xs, True), A_log, dt_bias, to_layout_one(w_o, True), w_s)
+    assert_rel(from_layout(got[0], True), ref[0], "dq")
+    assert_rel(from_layout(got[1], True), ref[1], "dg_raw")
+    assert_rel(got[2], ref[2], "dA_log")
+    assert_rel(got[3], ref[3], "ddt_bias")

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from lingpack.kernels.kda.api import chunk_kda
 from lingpack.parallel import reorder
+from lingpack.parallel.halo import divisible_axes
 
 HIGHEST = jax.lax.Precision.HIGHEST  # the fold chains N state products: keep them fp32-exact on TPU too
 ARRAY_KWARGS = ("A_log", "dt_bias")  # kernel keyword arguments that are arrays (replicated parameters)
@@ -103,17 +104,20 @@ def kda_context_shard(q, k, v, g, beta, segment_ids, *, axis_name: str = "contex
 
 
 def chunk_kda_context_parallel(q, k, v, g, beta, *, segment_ids, mesh, axis_name: str = "context",
-                               load_balance: bool = False, batch_axes=None, initial_state=None,
+                               load_balance: bool = False, batch_axes=(), head_axes=(), initial_state=None,
                                output_final_state: bool = False, **kernel_kwargs):
     """`chunk_kda` on global `[B, T, ...]` arrays whose T axis is split over `axis_name` of `mesh` (already in
-    the zigzag order of `reorder.reorder_batch` when `load_balance`). Rows go over `batch_axes` (None: not
-    split). Returns (o [B, T, H, V], final state or None) with chunk_kda's semantics for the unsplit rows.
+    the zigzag order of `reorder.reorder_batch` when `load_balance`). Rows go over the `batch_axes` and heads
+    over the `head_axes` whose sizes divide them. Returns (o [B, T, H, V], final state or None) with
+    chunk_kda's semantics for the unsplit rows.
     """
     n = mesh.shape[axis_name]
     reorder.check_length(q.shape[1], n, load_balance)
     arrays = {name: kernel_kwargs.pop(name) for name in ARRAY_KWARGS if kernel_kwargs.get(name) is not None}
-    tok = P(batch_axes, axis_name)
-    specs = (P(*tok, None, None),) * 4 + (P(*tok, None), tok, P(batch_axes), {name: P() for name in arrays})
+    batch, heads = divisible_axes(mesh, batch_axes, q.shape[0]), divisible_axes(mesh, head_axes, q.shape[2])
+    tok = P(batch, axis_name)
+    # A_log [H] and dt_bias [H*K] (head-major) split with the heads
+    specs = (P(*tok, heads, None),) * 4 + (P(*tok, heads), tok, P(batch, heads), {name: P(heads) for name in arrays})
     if initial_state is None:
         initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
 
@@ -121,6 +125,6 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, segment_ids, mesh, axis_name
         return kda_context_shard(q, k, v, g, beta, seg, axis_name=axis_name, load_balance=load_balance,
                                  initial_state=h0, **kernel_kwargs, **arrays)
 
-    o, final = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(*tok, None, None), P(batch_axes)),
+    o, final = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(*tok, heads, None), P(batch, heads)),
                              check_vma=False)(q, k, v, g, beta, segment_ids, initial_state, arrays)
     return o, (final if output_final_state else None)

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from lingpack.models.layers import segment_causal_conv
 from lingpack.models.mtp import mtp_targets, roll_and_mask_by_segment
 from lingpack.parallel import halo, reorder
+from lingpack.parallel.context import ContextParallel
 from tests.kernels.kda_cases import segments_from_lengths
 
 N, B, T, C, WIDTH = 4, 2, 64, 3, 4
@@ -39,8 +40,8 @@ def restore(x, load_balance):
 
 def sharded(mesh, fn, *, side, width, load_balance, params=()):
     """fn(x, seg, *params) run per context block with neighbours, on global arrays (rows over `data`)."""
-    return lambda x, seg, *params: halo.context_neighbours(fn, x, seg, *params, mesh=mesh, load_balance=load_balance,
-                                                           batch_axes=("data",), side=side, width=width)
+    cp = ContextParallel(mesh, load_balance=load_balance, batch_axes=("data",))
+    return lambda x, seg, *params: halo.context_neighbours(fn, x, seg, *params, cp=cp, side=side, width=width)
 
 
 def conv(x, seg, kernel):

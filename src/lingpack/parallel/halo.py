@@ -17,12 +17,13 @@ Which device holds the neighbour (N devices, rank r):
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from lingpack.parallel.context import _axes_that_divide as axes_that_divide
 
 NO_SEGMENT = -1  # segment id of tokens beyond the row's ends: matches no document and no padding (0)
 
@@ -84,23 +85,16 @@ def apply_with_neighbours(fn: Callable, x_BT_, segment_ids_BT, *, side: str, wid
     return jnp.moveaxis(y.reshape(nb, B, c, *y.shape[2:]), 0, 1).reshape(B, Tl, *y.shape[2:])
 
 
-def divisible_axes(mesh, axes, size: int):
-    """The mesh axes of `axes` (size > 1) as a PartitionSpec entry if their product divides `size`, else None."""
-    axes = tuple(a for a in (axes or ()) if a in mesh.shape and mesh.shape[a] > 1)
-    if not axes or size % math.prod(mesh.shape[a] for a in axes):
-        return None
-    return axes[0] if len(axes) == 1 else axes
-
-
-def context_neighbours(fn: Callable, x_BT_, segment_ids_BT, *params, mesh, axis: str = "context",
-                       load_balance: bool, batch_axes=(), side: str, width: int):
-    """`apply_with_neighbours` on global [B, T, ...] arrays whose T axis is split over `axis` of `mesh` (in the
-    layout of reorder.py); fn(x, segment_ids, *params) gets `params` replicated (their gradients are summed)."""
-    batch = divisible_axes(mesh, batch_axes, x_BT_.shape[0])
+def context_neighbours(fn: Callable, x_BT_, segment_ids_BT, *params, cp, side: str, width: int):
+    """`apply_with_neighbours` on global [B, T, ...] arrays whose T axis is split over `cp.axis` of `cp.mesh`
+    in `cp`'s layout (a parallel.context.ContextParallel: mesh, axis, load_balance, batch_axes);
+    fn(x, segment_ids, *params) gets `params` replicated (their gradients are summed)."""
+    mesh, axis = cp.mesh, cp.axis
+    batch = axes_that_divide(mesh, cp.batch_axes, x_BT_.shape[0])
     x_spec = P(batch, axis, *([None] * (x_BT_.ndim - 2)))
 
     def local(x, seg, *params):
         return apply_with_neighbours(lambda a, s: fn(a, s, *params), x, seg, side=side, width=width, axis_name=axis,
-                                     load_balance=load_balance)
+                                     load_balance=cp.load_balance)
     return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, P(batch, axis)) + (P(),) * len(params),
                          out_specs=x_spec, check_vma=False)(x_BT_, segment_ids_BT, *params)

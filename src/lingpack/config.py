@@ -15,6 +15,7 @@ import typing
 from lingpack.data.config import DataConfig
 from lingpack.models.ling3 import Ling3Config, config_from_dict
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
+from lingpack.train.schedule import ContextSchedule
 
 KERNELS = ("reference", "chunked", "chunked_aligned", "pallas_varlen", "pallas_segment")
 KERNELS_WITH_MAX_SEGS = ("chunked_aligned", "pallas_varlen")
@@ -84,6 +85,7 @@ class RunConfig:
     logger: LoggerConfig
     parity: ParityConfig
     run_dir: str
+    schedule: ContextSchedule = ContextSchedule()   # progressive context stages (experiment=context_schedule)
 
 
 def _is_instance(value, annotation) -> bool:
@@ -153,7 +155,7 @@ def _bundled(path: str, cache_dir: str) -> str:
 def build(cfg: dict, run_dir: str) -> RunConfig:
     """A resolved plain-dict config (OmegaConf.to_container(cfg, resolve=True)) -> RunConfig."""
     known = {"name", "seed", "model", "kernel", "data", "loss", "optim", "parallel", "checkpoint", "train",
-             "logger", "parity", "hydra"}
+             "logger", "parity", "schedule", "hydra"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {sorted(known - {'hydra'})}")
@@ -177,4 +179,5 @@ def build(cfg: dict, run_dir: str) -> RunConfig:
         parallel=make(ParallelConfig, cfg.get("parallel"), "parallel"),
         checkpoint=make(CheckpointConfig, cfg.get("checkpoint"), "checkpoint"),
         train=make(TrainConfig, train_values, "train"), logger=make(LoggerConfig, cfg.get("logger"), "logger"),
-        parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir)
+        parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir,
+        schedule=make(ContextSchedule, cfg.get("schedule"), "schedule"))

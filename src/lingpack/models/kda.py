@@ -49,6 +49,7 @@ class KDAKernel:
     impl: str = "chunked"
     chunk_size: int = 64
     max_segs: int | None = None
+    interpret: bool | None = None   # Pallas only: None = interpret mode off TPU; False forces Mosaic (TPU export)
 
 
 class KDA(nnx.Module):
@@ -87,7 +88,8 @@ class KDA(nnx.Module):
         beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))  # fp32: beta near 0/1 matters in the erase
         kernel = dict(impl=self.kernel.impl, chunk_size=self.kernel.chunk_size, max_segs=self.kernel.max_segs,
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log[...],
-                      dt_bias=self.dt_bias[...], lower_bound=self.cfg.lower_bound)
+                      dt_bias=self.dt_bias[...], lower_bound=self.cfg.lower_bound,
+                      interpret=self.kernel.interpret)
         cp = current()
         if cp is None:
             o_BTHV, _ = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_raw_BTHK, beta_BTH, segment_ids=segment_ids_BT, **kernel)

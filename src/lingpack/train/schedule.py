@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import typing
 
 from lingpack.train import loop
 from lingpack.train import optim as optim_lib
@@ -85,8 +84,9 @@ def with_rope_theta(model_cfg, theta: float | None):
 
 
 def train_with_schedule(schedule: ContextSchedule, model_cfg, data_cfg, loss_cfg, optim_cfg, parallel_cfg, ckpt_cfg,
-                        train_cfg, *, metrics_callback: typing.Callable | None = None) -> list:
-    """Runs the remaining stages; returns their `loop.TrainResult`s (stops early when one was preempted)."""
+                        train_cfg, **train_kwargs) -> list:
+    """Runs the remaining stages; returns their `loop.TrainResult`s (stops early when one was preempted).
+    `train_kwargs` (metrics_callback, on_start) go to every stage's `loop.train`."""
     if not ckpt_cfg.enabled:
         raise ValueError("a context schedule hands the state from stage to stage through checkpoints: set "
                          "checkpoint.enabled=true")
@@ -109,7 +109,7 @@ def train_with_schedule(schedule: ContextSchedule, model_cfg, data_cfg, loss_cfg
         result = loop.train(with_rope_theta(model_cfg, stage.rope_theta),
                             dataclasses.replace(data_cfg, seq_length=stage.seq_length), loss_cfg, optim_cfg,
                             parallel_cfg, ckpt_cfg, dataclasses.replace(train_cfg, steps=schedule.ends[i]),
-                            metrics_callback=metrics_callback, data_state_on_resume=data_position)
+                            data_state_on_resume=data_position, **train_kwargs)
         results.append(result)
         if result.preempted:
             break

@@ -49,8 +49,9 @@ def single():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [ParallelConfig(data=1, context=8), ParallelConfig(data=2, context=4)],
-                         ids=["cp8_zigzag", "cp4_x_data2_zigzag"])
+@pytest.mark.parametrize("parallel", [ParallelConfig(data=1, context=8), ParallelConfig(data=2, context=4),
+                                      ParallelConfig(data=1, context=8, load_balance=False)],
+                         ids=["cp8_zigzag", "cp4_x_data2_zigzag", "cp8_contiguous"])
 def test_train_step_matches_single_device(single, parallel):
     ref_grads, ref_params, ref_metrics = single
     grads, params, metrics = step_outputs(parallel)

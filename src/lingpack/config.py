@@ -16,6 +16,7 @@ from lingpack.data.config import DataConfig
 from lingpack.kernels.kda import api as kda_api
 from lingpack.models.ling3 import Ling3Config, config_from_dict
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
+from lingpack.train.schedule import ContextSchedule
 
 KERNELS = ("reference", "chunked", "chunked_aligned", "pallas_varlen", "pallas_segment")
 KERNELS_WITH_MAX_SEGS = ("chunked_aligned", "pallas_varlen")
@@ -89,6 +90,7 @@ class RunConfig:
     logger: LoggerConfig
     parity: ParityConfig
     run_dir: str
+    schedule: ContextSchedule = ContextSchedule()   # progressive context stages (experiment=context_schedule)
 
 
 def _is_instance(value, annotation) -> bool:
@@ -221,7 +223,7 @@ def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tenso
 def build(cfg: dict, run_dir: str) -> RunConfig:
     """A resolved plain-dict config (OmegaConf.to_container(cfg, resolve=True)) -> RunConfig."""
     known = {"name", "seed", "model", "kernel", "data", "loss", "optim", "parallel", "checkpoint", "train",
-             "logger", "parity", "hydra"}
+             "logger", "parity", "schedule", "hydra"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {sorted(known - {'hydra'})}")
@@ -243,4 +245,5 @@ def build(cfg: dict, run_dir: str) -> RunConfig:
         parallel=parallel,
         checkpoint=make(CheckpointConfig, cfg.get("checkpoint"), "checkpoint"),
         train=train, logger=make(LoggerConfig, cfg.get("logger"), "logger"),
-        parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir)
+        parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir,
+        schedule=make(ContextSchedule, cfg.get("schedule"), "schedule"))

@@ -127,14 +127,19 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
         if rc.parity.enabled:  # the parity harness compares lingpack's routing with the reference's
             from lingpack.parity.harness import RoutingRecorder, has_moe
             recorder = RoutingRecorder(rc.data.seq_length) if has_moe(rc.model) else None
-        result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
-                            metrics_callback=metrics_logger, on_start=metrics_logger.resume,
-                            routing_callback=recorder)
+        args = (rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train)
+        kwargs = dict(metrics_callback=metrics_logger, on_start=metrics_logger.resume, routing_callback=recorder)
+        if rc.schedule.enabled:  # progressive context: one loop.train per remaining stage
+            from lingpack.train.schedule import train_with_schedule
+            result = train_with_schedule(rc.schedule, *args, **kwargs)[-1]
+        else:
+            result = loop.train(*args, **kwargs)
         history = metrics_logger.records() or list(result.history)
         summary = run_summary(rc, history, result.preempted)
         summary.update({k: v for k, v in result.final_eval.items() if not k.endswith("_tokens")})
         if not result.preempted:
-            summary["packing_parity_rel"] = _packing_parity(rc, result.final_model())["rel_diff"]
+            if rc.parallel.context == 1:  # the per-document check runs single-device rows of the full length
+                summary["packing_parity_rel"] = _packing_parity(rc, result.final_model())["rel_diff"]
             if rc.parity.enabled:
                 from lingpack.parity.harness import run_parity
                 summary.update(run_parity(rc, history, metrics_logger, routing=recorder and recorder.steps))

@@ -22,6 +22,8 @@ from flax import nnx
 from lingpack.kernels.kda import gate as kda_gate
 from lingpack.kernels.kda.api import chunk_kda
 from lingpack.models.layers import GatedRMSNorm, ShortConvolution, dense, partitioned
+from lingpack.parallel.context import current
+from lingpack.parallel.kda_cp import chunk_kda_context_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +86,20 @@ class KDA(nnx.Module):
         v_BTHV = heads(self.v_conv(self.v_proj(x_BTD), segment_ids_BT))
         g_raw_BTHK = heads(self.f_b_proj(self.f_a_proj(x_BTD)))
         beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))  # fp32: beta near 0/1 matters in the erase
-        o_BTHV, _ = chunk_kda(
-            q_BTHK, k_BTHK, v_BTHV, g_raw_BTHK, beta_BTH, segment_ids=segment_ids_BT, impl=self.kernel.impl,
-            chunk_size=self.kernel.chunk_size, max_segs=self.kernel.max_segs, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...], lower_bound=self.cfg.lower_bound,
-            interpret=self.kernel.interpret)
+        kernel = dict(impl=self.kernel.impl, chunk_size=self.kernel.chunk_size, max_segs=self.kernel.max_segs,
+                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log[...],
+                      dt_bias=self.dt_bias[...], lower_bound=self.cfg.lower_bound,
+                      interpret=self.kernel.interpret)
+        cp = current()
+        if cp is None:
+            o_BTHV, _ = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_raw_BTHK, beta_BTH, segment_ids=segment_ids_BT, **kernel)
+        else:  # sequence split over `context`: blocks pass the KDA state on (parallel/kda_cp.py)
+            if segment_ids_BT is None:
+                segment_ids_BT = jnp.ones((B, T), jnp.int32)
+            o_BTHV, _ = chunk_kda_context_parallel(
+                q_BTHK, k_BTHK, v_BTHV, g_raw_BTHK, beta_BTH, segment_ids=segment_ids_BT, mesh=cp.mesh,
+                axis_name=cp.axis, load_balance=cp.load_balance, batch_axes=cp.batch_axes, head_axes=cp.head_axes,
+                **kernel)
         gate_BTHV = heads(self.g_b_proj(self.g_a_proj(x_BTD)))
         y_BTHV = self.o_norm(o_BTHV, gate_BTHV)
         return self.o_proj(y_BTHV.reshape(B, T, H * K))

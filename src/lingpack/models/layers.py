@@ -12,6 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lingpack.parallel.context import current
+from lingpack.parallel.halo import context_neighbours
+
 DEFAULT_INIT = nnx.initializers.normal(stddev=0.02)  # DeepSeek/HF initializer_range
 
 
@@ -159,5 +162,13 @@ class ShortConvolution(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (kernel_size, channels), param_dtype))
 
     def __call__(self, x_BTC: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
-        y = segment_causal_conv(x_BTC.astype(self.dtype), self.kernel[...].astype(self.dtype), segment_ids_BT)
+        x, kernel = x_BTC.astype(self.dtype), self.kernel[...].astype(self.dtype)
+        cp = current()
+        if cp is None:
+            y = segment_causal_conv(x, kernel, segment_ids_BT)
+        else:  # sequence split over `context`: the previous block's last K-1 tokens arrive as a halo
+            if segment_ids_BT is None:
+                segment_ids_BT = jnp.ones(x.shape[:2], jnp.int32)
+            y = context_neighbours(lambda a, s, w: segment_causal_conv(a, w, s), x, segment_ids_BT, kernel, cp=cp,
+                                   side="previous", width=kernel.shape[0] - 1)
         return jax.nn.silu(y) if self.activation == "silu" else y

@@ -29,7 +29,8 @@ from flax import nnx
 
 from lingpack.models.block import DecoderLayer, LayerSpec
 from lingpack.models.layers import RMSNorm, dense
-from lingpack.parallel.context import in_token_order
+from lingpack.parallel.context import current
+from lingpack.parallel.halo import context_neighbours
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +43,12 @@ def roll_and_mask_by_segment(x_BT: jax.Array, segment_ids_BT: jax.Array) -> jax.
     """Shift left by one along T; position t becomes 0 if seg[t] != seg[t+1], seg[t] == 0, or t is last.
 
     `x` is [B, T] or [B, T, ...] (e.g. embeddings [B, T, D]: masked positions become zero vectors).
-    Under a zigzag context-parallel layout the roll runs in token order (parallel.in_token_order).
+    Under context parallelism each block's last position reads the next block's first token (parallel/halo.py).
     """
-    return in_token_order(_roll_and_mask, x_BT, segment_ids_BT)
+    cp = current()
+    if cp is None:
+        return _roll_and_mask(x_BT, segment_ids_BT)
+    return context_neighbours(_roll_and_mask, x_BT, segment_ids_BT, cp=cp, side="next", width=1)
 
 
 def _roll_and_mask(x_BT: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:

@@ -3,9 +3,11 @@
 Files
   reorder.py   the token layout contract: contiguous, or zigzag (device r holds chunks r and 2N-1-r of 2N)
   context.py   `ContextParallel` (mesh + strategy + layout), the ambient `context_parallel` / `current()`,
-               `context_attention` (softmax attention under CP) and `in_token_order` (fallback)
+               `context_attention` (softmax attention under CP)
   ring.py      ring attention (K/V rotate; dK/dV ride a second ring home)
   ulysses.py   Ulysses all-to-all and USP (Ulysses x ring)
+  kda_cp.py    KDA state passing (per-block affine summaries, all-gathered and folded in sequence order)
+  halo.py      neighbour tokens by ppermute: the short-conv halo and the MTP roll
 The per-block math (online softmax, tile skipping, recomputing VJP) is kernels/attention/blockwise.py.
 
 How a layer learns it is under CP (the one rule every layer follows)
@@ -20,7 +22,6 @@ How a layer learns it is under CP (the one rule every layer follows)
      `cp.head_axes` when they divide). Original token positions come from `cp.token_index(T)`, never
      from offsets; RoPE uses the batch's `inputs_position`, which the reorder already permuted.
   4. Per-token layers (norms, MLPs, dropless MoE, projections, RoPE) need nothing. Order-dependent
-     layers without their own CP wrap themselves in `in_token_order(fn, *arrays)` (exact: XLA gathers
-     the row back into token order) -- today KDA (models/block.py) and the MTP roll (models/mtp.py),
-     until issue 11 gives them state-passing CP.
+     layers have their own CP: MLA (context_attention), KDA (kda_cp), the short convs and the MTP
+     roll (halo); none gathers the row.
 """

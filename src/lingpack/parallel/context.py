@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from lingpack.kernels.attention.blockwise import Tiling, blockwise_attention
-from lingpack.parallel.reorder import check_length, inverse_permutation, zigzag_permutation
+from lingpack.parallel.reorder import check_length, zigzag_permutation
 from lingpack.parallel.ring import Ring, ring_attention
 from lingpack.parallel.ulysses import ulysses_attention
 from lingpack.train.configs import CONTEXT_STRATEGIES, ParallelConfig
@@ -106,22 +106,6 @@ def current() -> ContextParallel | None:
     """The active ContextParallel when its axis has more than one device, else None."""
     cp = _ACTIVE.get()
     return cp if cp is not None and cp.size > 1 else None
-
-
-def in_token_order(fn, *arrays_BT):
-    """fn(*arrays) computed in the original token order: for order-dependent code that is not CP-aware.
-
-    Under a load-balanced (zigzag) layout the [B, T, ...] inputs are gathered back into token order, and
-    fn's [B, T, ...] outputs reordered again; otherwise fn is called as is. Exact, but XLA gathers the
-    sequence onto each device: a stop-gap for layers without their own CP (KDA, MTP rolls: issue 11).
-    """
-    cp = current()
-    if cp is None or not cp.load_balance:
-        return fn(*arrays_BT)
-    T = arrays_BT[0].shape[1]
-    perm = zigzag_permutation(T, cp.size)
-    out = fn(*(jnp.take(x, inverse_permutation(perm), axis=1) for x in arrays_BT))
-    return jax.tree.map(lambda y: jnp.take(y, perm, axis=1), out)
 
 
 def _axes_that_divide(mesh: Mesh, axes, size: int):

@@ -144,7 +144,9 @@ def _progress(train_cfg: TrainConfig, start: int):
 
 def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
           ckpt_cfg: CheckpointConfig, train_cfg: TrainConfig, *, metrics_callback=None, on_start=None,
-          routing_callback=None) -> TrainResult:
+          routing_callback=None, data_state_on_resume=None) -> TrainResult:
+    """`data_state_on_resume(step, data_state) -> data_state` may move the restored data position (the
+    context schedule does at a stage change, where the data pipeline's sequence length changes)."""
     optim_cfg = optim_lib.resolve(optim_cfg, train_cfg.steps)
     mesh = shard_lib.make_mesh(parallel_cfg)
     rules = parallel_cfg.rules
@@ -167,6 +169,8 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
         state, data_state = ckpt.restore(latest, abstract, shardings)
+        if data_state_on_resume is not None:
+            data_state = data_state_on_resume(latest, data_state)
         iterator.set_state(data_state)
         log.info("resumed from step %d (%s)", latest, ckpt.directory)
     else:

@@ -13,11 +13,11 @@ import types
 import typing
 
 from lingpack.data.config import DataConfig
+from lingpack.kernels.kda import api as kda_api
+from lingpack.kernels.kda import gate as kda_gate
 from lingpack.models.ling3 import Ling3Config, config_from_dict
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
 
-KERNELS = ("reference", "chunked", "chunked_aligned", "pallas_varlen", "pallas_segment")
-KERNELS_WITH_MAX_SEGS = ("chunked_aligned", "pallas_varlen")
 LOGGER_KINDS = ("wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -35,13 +35,15 @@ class KernelConfig:
     interpret: bool | None = None    # Pallas: None = interpret mode off TPU
 
     def __post_init__(self):
-        if self.name not in KERNELS:
-            raise ConfigError(f"kernel.name={self.name!r} is not one of {KERNELS}")
-        if self.name in KERNELS_WITH_MAX_SEGS and (self.max_segs is None or self.max_segs < 1):
+        if self.name not in kda_api.names():   # the registry in kernels/kda/api.py
+            raise ConfigError(f"kernel.name={self.name!r} is not one of {kda_api.names()}")
+        if kda_api.needs_max_segs(self.name) and (self.max_segs is None or self.max_segs < 1):
             raise ConfigError(f"kernel={self.name} packs documents into kernel.max_segs slots: set kernel.max_segs"
                               " >= the most documents in a micro-batch (`python -m lingpack.data.stats` recommends one)")
-        if self.chunk_size < 16 or self.chunk_size % 16:
-            raise ConfigError(f"kernel.chunk_size={self.chunk_size} must be a positive multiple of 16 (64 is standard)")
+        try:
+            kda_gate.check_chunk_size(self.chunk_size, "kernel.chunk_size")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from lingpack import config as config_lib
+from lingpack.kernels.kda import api as kda_api
 
 _DISTRIBUTED_READY = False
 SUMMARY_FORMATS = {"final_lm_loss": ".4f", "first_lm_loss": ".4f", "tokens_per_s": ".0f",
@@ -46,7 +47,7 @@ def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None):
 
 def overhead_key(rc: config_lib.RunConfig) -> str:
     """The phantom-overhead metric of the configured kernel design."""
-    return "t_new_over_t" if rc.kernel.name in config_lib.KERNELS_WITH_MAX_SEGS else "native_t_over_t"
+    return "t_new_over_t" if kda_api.needs_max_segs(rc.kernel.name) else "native_t_over_t"
 
 
 def _mean(history: list[dict], key: str) -> float | None:

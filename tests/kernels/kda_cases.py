@@ -5,6 +5,17 @@ from pathlib import Path
 import numpy as np
 
 
+def xla_impls():
+    """Registered KDA implementations that run as XLA (test_kda.py's suite); Pallas ones get test_kda_pallas.py's."""
+    from lingpack.kernels.kda import api
+    return [name for name in api.names() if not name.startswith("pallas")]
+
+
+def pallas_impls():
+    from lingpack.kernels.kda import api
+    return [name for name in api.names() if name.startswith("pallas")]
+
+
 def fla_naive_module():
     spec = importlib.util.find_spec("fla")
     path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"

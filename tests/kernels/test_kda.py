@@ -9,10 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lingpack.kernels.kda import api, segments
-from tests.kernels.kda_cases import (documents, fla_naive_module, make_inputs, per_document_oracle, rms_ratio,
-                                     segments_from_lengths)
+from tests.kernels.kda_cases import (documents, fla_naive_module, make_inputs, per_document_oracle, pallas_impls,
+                                     rms_ratio, segments_from_lengths, xla_impls)
 
-IMPLS = ["reference", "chunked", "chunked_aligned"]
+IMPLS = xla_impls()   # from the registry in api.py: a registered kernel gets these oracle tests
+CHUNKED_IMPLS = [impl for impl in IMPLS if impl in api.CHUNKED]
 B, T, H, K, V = 2, 150, 2, 32, 16
 MAX_SEGS = 12
 CHUNK = 32  # small chunks so T=150 spans several, with a ragged tail
@@ -73,7 +74,7 @@ def test_strong_decay_is_finite(naive, safe_gate):
     g[..., ::2] = -0.01
     seg = np.ones((1, 128), np.int32)
     o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg)
-    for impl in ("chunked", "chunked_aligned"):
+    for impl in CHUNKED_IMPLS:
         o, s = api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=64, max_segs=2,
                              output_final_state=True, safe_gate=safe_gate)
         assert np.isfinite(np.asarray(o)).all()
@@ -81,7 +82,7 @@ def test_strong_decay_is_finite(naive, safe_gate):
         np.testing.assert_allclose(np.asarray(s), s_ref, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["chunked", "chunked_aligned"])
+@pytest.mark.parametrize("impl", CHUNKED_IMPLS)
 def test_gradients_match_reference_fp32(impl):
     rng = np.random.default_rng(2)
     q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
@@ -96,7 +97,7 @@ def test_gradients_match_reference_fp32(impl):
         assert np.abs(np.asarray(r)).max() > 0, name  # the gradient exists, so the comparison means something
 
 
-@pytest.mark.parametrize("impl", ["chunked", "chunked_aligned"])
+@pytest.mark.parametrize("impl", CHUNKED_IMPLS)
 def test_bf16_within_fla_tolerances(impl):
     rng = np.random.default_rng(3)
     q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
@@ -115,6 +116,12 @@ def test_bf16_within_fla_tolerances(impl):
     limits = {"dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02, "dh0": 0.008}  # FLA's
     for (name, limit), r, o in zip(limits.items(), grads_ref, grads, strict=True):
         assert rms_ratio(r, np.asarray(o, np.float32)) < limit, name
+
+
+def test_every_registered_impl_is_tested():
+    """The two suites together cover the registry: XLA impls here, Pallas ones in test_kda_pallas.py."""
+    assert sorted(IMPLS + pallas_impls()) == sorted(api.names())
+    assert {"reference", "chunked", "chunked_aligned", "pallas_varlen", "pallas_segment"} <= set(api.names())
 
 
 def row_lengths(max_docs, length_strategy):
@@ -149,7 +156,7 @@ def test_random_segmentations_all_impls_agree_with_oracle(seg, seed):
     o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg, h0)
     n_segs = int(segments.num_segments(jnp.asarray(seg)))
     for impl in IMPLS:
-        if impl == "chunked_aligned" and n_segs > MAX_SEGS:
+        if api.needs_max_segs(impl) and n_segs > MAX_SEGS:
             with pytest.raises(segments.SegmentError, match="max_segs"):
                 api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, max_segs=MAX_SEGS)
             continue

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from lingpack.train.configs import OptimConfig
-from lingpack.train.optim import decay_mask, learning_rate, make_optimizer, resolve
+from lingpack.train.optim import applies_weight_decay, decay_mask, learning_rate, make_optimizer, resolve
 
 torch = pytest.importorskip("torch")
 
@@ -56,6 +56,10 @@ def test_decay_mask():
     mask = decay_mask(jax.tree.map(jnp.asarray, _params(np.random.default_rng(0))))
     assert mask == {"layer": {"kernel": True, "bias": False}, "norm": {"weight": False},
                     "kda": {"A_log": False, "dt_bias": False, "embedding": True}}
+    # the same rule on transformers' parameter names, where A_log is [1, 1, H, 1]
+    assert not applies_weight_decay("model.layers.0.self_attn.forget_gate.A_log", 4)
+    assert not applies_weight_decay("model.layers.3.mlp.gate.e_score_correction_bias", 1)
+    assert applies_weight_decay("model.layers.0.self_attn.q_proj.weight", 2)
 
 
 @pytest.mark.parametrize("clip", [0.5, 0.0])

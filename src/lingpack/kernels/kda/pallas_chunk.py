@@ -46,8 +46,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from lingpack.kernels.kda.gate import SAFE_GATE_MIN, SUB_CHUNK
+
 f32 = jnp.float32
-SUB = 16  # sub-block size: pairs inside a sub-block are explicit (SUB steps), across sub-blocks matmuls
+SUB = SUB_CHUNK  # sub-block size: pairs inside a sub-block are explicit (SUB steps), across sub-blocks matmuls
 PRECISION = jax.lax.Precision.HIGHEST  # fp32 contract precision on the MXU: the WY inverse and cumsum need it
 
 
@@ -351,7 +353,7 @@ class Fusion(NamedTuple):
     """Static choice of what the kernel computes from raw inputs (see `gate.py` for the formulas)."""
     # None: g is the log-decay; "softplus": -a softplus(g + dt); "lower_bound": lb sigmoid(a (g + dt))
     gate: str | None = None
-    lower_bound: float = -5.0
+    lower_bound: float = SAFE_GATE_MIN
     qk_l2norm: bool = False
 
 

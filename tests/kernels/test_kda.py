@@ -245,3 +245,41 @@ def test_other_documents_get_exactly_zero_gradient(impl, safe_gate):
         grad = np.asarray(grad)
         assert np.abs(grad[0, 37:]).max() > 0, name
         assert (grad[0, :37] == 0).all(), f"{name} leaks into document 1: {np.abs(grad[0, :37]).max()}"
+
+
+@pytest.mark.parametrize("impl", [impl for impl in IMPLS if api.needs_max_segs(impl)])
+def test_overflow_under_jit_keeps_survivors_exact_and_drops_the_rest(naive, impl):
+    """More documents than max_segs under jit (no eager error possible): the first max_segs documents (flattened
+    order) match the oracle exactly; every later one outputs exactly 0, gets exactly 0 gradient, and sends
+    none to the survivors."""
+    rng = np.random.default_rng(9)
+    q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
+    seg = segments_from_lengths([[40, 1, 64, 35], [30, 20, 25, 10, 50]], T)   # 9 documents
+    max_segs = 6
+    order = list(documents(seg))
+    survivors, dropped = order[:max_segs], order[max_segs:]
+    keep = np.zeros((B, T), bool)
+    for b, idx in survivors:
+        keep[b, idx] = True
+    gone = (seg != 0) & ~keep
+    w_o = rng.standard_normal((B, T, H, V)).astype(np.float32)
+
+    @jax.jit
+    def forward_and_grads(seg_traced, weights, q, k, v, g, beta):   # traced ids: the overflow cannot raise eagerly
+        def loss(q, k, v, g, beta):
+            o, _ = api.chunk_kda(q, k, v, g, beta, segment_ids=seg_traced, impl=impl, chunk_size=CHUNK,
+                                 max_segs=max_segs)
+            return jnp.sum(o * weights), o
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, g, beta)
+
+    (_, o), grads = forward_and_grads(seg, w_o, q, k, v, g, beta)
+    o_ref, _ = per_document_oracle(naive, q, k, v, g, beta, np.where(keep, seg, 0))
+    np.testing.assert_allclose(np.asarray(o)[keep], o_ref[keep], atol=2e-5, rtol=1e-5)
+    assert len(dropped) == 3 and not np.asarray(o)[gone].any(), "dropped documents must output exactly 0"
+    for name, grad in zip(["dq", "dk", "dv", "dg", "dbeta"], grads):
+        assert not np.asarray(grad)[gone].any(), f"{name}: a dropped document receives gradient"
+        assert np.abs(np.asarray(grad)[keep]).max() > 0, name
+    # from them: weighting only the dropped positions' outputs gives exactly zero gradient everywhere
+    (_, _), grads = forward_and_grads(seg, np.where(gone[..., None, None], w_o, 0.0), q, k, v, g, beta)
+    for name, grad in zip(["dq", "dk", "dv", "dg", "dbeta"], grads):
+        assert not np.asarray(grad).any(), f"{name}: dropped outputs send gradient"

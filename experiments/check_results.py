@@ -23,6 +23,7 @@ ARTIFACTS = {   # README block -> (artifact, the committed script that writes it
     "phantom_overhead": ("experiments/phantom_overhead/results/results.md", "experiments/phantom_overhead/sweep.py"),
     "loss_parity": ("experiments/loss_parity/results/results.md", "experiments/loss_parity/run_parity.py"),
     "make_run": ("experiments/make_run/results/results.md", "experiments/make_run/run_default.py"),
+    "context_parallel": ("experiments/context_parallel/results/results.md", "experiments/context_parallel/bench.py"),
 }
 BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
 

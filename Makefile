@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-all bench setup clean
+.PHONY: run test test-all bench check-results setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) experiments/bench_kda.py
+
+check-results: $(STAMP)
+	$(PY) experiments/check_results.py
 
 clean:
 	rm -rf $(VENV) outputs multirun

@@ -14,12 +14,11 @@ import typing
 
 from lingpack.data.config import DataConfig
 from lingpack.kernels.kda import api as kda_api
+from lingpack.kernels.kda import gate as kda_gate
 from lingpack.models.ling3 import Ling3Config, config_from_dict
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.schedule import ContextSchedule
 
-KERNELS = ("reference", "chunked", "chunked_aligned", "pallas_varlen", "pallas_segment")
-KERNELS_WITH_MAX_SEGS = ("chunked_aligned", "pallas_varlen")
 LOGGER_KINDS = ("wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -37,16 +36,18 @@ class KernelConfig:
     interpret: bool | None = None    # Pallas: None = interpret mode off TPU
 
     def __post_init__(self):
-        if self.name not in KERNELS:
-            raise ConfigError(f"kernel.name={self.name!r} is not one of {KERNELS}")
+        if self.name not in kda_api.names():   # the registry in kernels/kda/api.py
+            raise ConfigError(f"kernel.name={self.name!r} is not one of {kda_api.names()}")
         if self.max_segs is not None and self.max_segs < 1:
             raise ConfigError(f"kernel.max_segs={self.max_segs} must be >= 1: it is the number of documents a micro-batch"
                               " may hold (`python -m lingpack.data.stats` recommends one)")
-        if self.name in KERNELS_WITH_MAX_SEGS and self.max_segs is None:
+        if kda_api.needs_max_segs(self.name) and self.max_segs is None:
             raise ConfigError(f"kernel={self.name} packs documents into kernel.max_segs slots: set kernel.max_segs"
                               " >= the most documents in a micro-batch (`python -m lingpack.data.stats` recommends one)")
-        if self.chunk_size < 16 or self.chunk_size % 16:
-            raise ConfigError(f"kernel.chunk_size={self.chunk_size} must be a positive multiple of 16 (64 is standard)")
+        try:
+            kda_gate.check_chunk_size(self.chunk_size, "kernel.chunk_size")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +212,7 @@ def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tenso
     divisor = values.pop("vocab_size_divisible_by", 128)
     if values.get("vocab_size") is None:  # the data's tokenizer, padded like Megatron's vocab
         values["vocab_size"] = padded_vocab_size(data_vocab_size, divisor, max(tensor_parallel, 1))
-    uses_max_segs = kernel.name in kda_api.NEEDS_MAX_SEGS  # other kernels ignore max_segs (no phantom segments)
+    uses_max_segs = kda_api.needs_max_segs(kernel.name)  # other kernels ignore max_segs (no phantom segments)
     values.update(kda_impl=kernel.name, kda_chunk_size=kernel.chunk_size, kda_interpret=kernel.interpret,
                   kda_max_segs=kernel.max_segs if uses_max_segs else None)
     try:

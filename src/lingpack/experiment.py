@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 
 from lingpack import config as config_lib
+from lingpack.kernels.kda import api as kda_api
 
 log = logging.getLogger("lingpack")
 
@@ -53,8 +54,7 @@ def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None):
 
 def uses_max_segs(rc: config_lib.RunConfig) -> bool:
     """The configured kernel packs documents into `kernel.max_segs` cu_seqlens slots (phantom segments)."""
-    from lingpack.kernels.kda import api
-    return rc.kernel.name in api.NEEDS_MAX_SEGS
+    return kda_api.needs_max_segs(rc.kernel.name)
 
 
 def overhead_key(rc: config_lib.RunConfig) -> str:

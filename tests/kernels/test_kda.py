@@ -9,10 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lingpack.kernels.kda import api, segments
-from tests.kernels.kda_cases import (documents, fla_naive_module, make_inputs, per_document_oracle, rms_ratio,
-                                     segments_from_lengths)
+from tests.kernels.kda_cases import (documents, fla_naive_module, make_inputs, per_document_oracle, pallas_impls,
+                                     rms_ratio, segments_from_lengths, xla_impls)
 
-IMPLS = ["reference", "chunked", "chunked_aligned"]
+IMPLS = xla_impls()   # from the registry in api.py: a registered kernel gets these oracle tests
+CHUNKED_IMPLS = [impl for impl in IMPLS if impl in api.CHUNKED]
 B, T, H, K, V = 2, 150, 2, 32, 16
 MAX_SEGS = 12
 CHUNK = 32  # small chunks so T=150 spans several, with a ragged tail
@@ -73,7 +74,7 @@ def test_strong_decay_is_finite(naive, safe_gate):
     g[..., ::2] = -0.01
     seg = np.ones((1, 128), np.int32)
     o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg)
-    for impl in ("chunked", "chunked_aligned"):
+    for impl in CHUNKED_IMPLS:
         o, s = api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=64, max_segs=2,
                              output_final_state=True, safe_gate=safe_gate)
         assert np.isfinite(np.asarray(o)).all()
@@ -81,7 +82,7 @@ def test_strong_decay_is_finite(naive, safe_gate):
         np.testing.assert_allclose(np.asarray(s), s_ref, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["chunked", "chunked_aligned"])
+@pytest.mark.parametrize("impl", CHUNKED_IMPLS)
 def test_gradients_match_reference_fp32(impl):
     rng = np.random.default_rng(2)
     q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
@@ -96,7 +97,7 @@ def test_gradients_match_reference_fp32(impl):
         assert np.abs(np.asarray(r)).max() > 0, name  # the gradient exists, so the comparison means something
 
 
-@pytest.mark.parametrize("impl", ["chunked", "chunked_aligned"])
+@pytest.mark.parametrize("impl", CHUNKED_IMPLS)
 def test_bf16_within_fla_tolerances(impl):
     rng = np.random.default_rng(3)
     q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
@@ -112,9 +113,15 @@ def test_bf16_within_fla_tolerances(impl):
     assert rms_ratio(o_ref, o.astype(jnp.float32)) < 0.005
     assert rms_ratio(s_ref, s) < 0.005
     grads = jitted_grads(impl)(*bf, seg, h0, w_o, w_s)
-    limits = {"dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02}
-    for (name, limit), r, o in zip(limits.items(), grads_ref, grads):
+    limits = {"dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02, "dh0": 0.008}  # FLA's
+    for (name, limit), r, o in zip(limits.items(), grads_ref, grads, strict=True):
         assert rms_ratio(r, np.asarray(o, np.float32)) < limit, name
+
+
+def test_every_registered_impl_is_tested():
+    """The two suites together cover the registry: XLA impls here, Pallas ones in test_kda_pallas.py."""
+    assert sorted(IMPLS + pallas_impls()) == sorted(api.names())
+    assert {"reference", "chunked", "chunked_aligned", "pallas_varlen", "pallas_segment"} <= set(api.names())
 
 
 def row_lengths(max_docs, length_strategy):
@@ -149,7 +156,7 @@ def test_random_segmentations_all_impls_agree_with_oracle(seg, seed):
     o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg, h0)
     n_segs = int(segments.num_segments(jnp.asarray(seg)))
     for impl in IMPLS:
-        if impl == "chunked_aligned" and n_segs > MAX_SEGS:
+        if api.needs_max_segs(impl) and n_segs > MAX_SEGS:
             with pytest.raises(segments.SegmentError, match="max_segs"):
                 api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, max_segs=MAX_SEGS)
             continue
@@ -238,3 +245,41 @@ def test_other_documents_get_exactly_zero_gradient(impl, safe_gate):
         grad = np.asarray(grad)
         assert np.abs(grad[0, 37:]).max() > 0, name
         assert (grad[0, :37] == 0).all(), f"{name} leaks into document 1: {np.abs(grad[0, :37]).max()}"
+
+
+@pytest.mark.parametrize("impl", [impl for impl in IMPLS if api.needs_max_segs(impl)])
+def test_overflow_under_jit_keeps_survivors_exact_and_drops_the_rest(naive, impl):
+    """More documents than max_segs under jit (no eager error possible): the first max_segs documents (flattened
+    order) match the oracle exactly; every later one outputs exactly 0, gets exactly 0 gradient, and sends
+    none to the survivors."""
+    rng = np.random.default_rng(9)
+    q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
+    seg = segments_from_lengths([[40, 1, 64, 35], [30, 20, 25, 10, 50]], T)   # 9 documents
+    max_segs = 6
+    order = list(documents(seg))
+    survivors, dropped = order[:max_segs], order[max_segs:]
+    keep = np.zeros((B, T), bool)
+    for b, idx in survivors:
+        keep[b, idx] = True
+    gone = (seg != 0) & ~keep
+    w_o = rng.standard_normal((B, T, H, V)).astype(np.float32)
+
+    @jax.jit
+    def forward_and_grads(seg_traced, weights, q, k, v, g, beta):   # traced ids: the overflow cannot raise eagerly
+        def loss(q, k, v, g, beta):
+            o, _ = api.chunk_kda(q, k, v, g, beta, segment_ids=seg_traced, impl=impl, chunk_size=CHUNK,
+                                 max_segs=max_segs)
+            return jnp.sum(o * weights), o
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, g, beta)
+
+    (_, o), grads = forward_and_grads(seg, w_o, q, k, v, g, beta)
+    o_ref, _ = per_document_oracle(naive, q, k, v, g, beta, np.where(keep, seg, 0))
+    np.testing.assert_allclose(np.asarray(o)[keep], o_ref[keep], atol=2e-5, rtol=1e-5)
+    assert len(dropped) == 3 and not np.asarray(o)[gone].any(), "dropped documents must output exactly 0"
+    for name, grad in zip(["dq", "dk", "dv", "dg", "dbeta"], grads):
+        assert not np.asarray(grad)[gone].any(), f"{name}: a dropped document receives gradient"
+        assert np.abs(np.asarray(grad)[keep]).max() > 0, name
+    # from them: weighting only the dropped positions' outputs gives exactly zero gradient everywhere
+    (_, _), grads = forward_and_grads(seg, np.where(gone[..., None, None], w_o, 0.0), q, k, v, g, beta)
+    for name, grad in zip(["dq", "dk", "dv", "dg", "dbeta"], grads):
+        assert not np.asarray(grad).any(), f"{name}: dropped outputs send gradient"

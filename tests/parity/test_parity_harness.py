@@ -1,4 +1,4 @@
-"""The loss-parity harness: lingpack vs the Megatron-semantics PyTorch reference, 10 steps, fp32, rel <= 1e-4."""
+"""The loss-parity harness: lingpack vs the Megatron-semantics PyTorch reference, 10 steps, fp32, rel <= 1e-6."""
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +37,7 @@ def test_ten_step_parity_fp32(tmp_path):
     result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train)
     summary = run_parity(rc, result.history)
     assert summary["parity_steps"] == 10
-    assert summary["parity_max_rel"] <= 1e-4, summary
+    assert summary["parity_max_rel"] <= 1e-6, summary  # measured <= 2e-7 over these 10 steps
     assert (Path(rc.run_dir) / "parity" / "parity.csv").exists()
     losses = [h["lm_loss"] for h in result.history]
     assert losses[-1] < losses[0]  # training moved, so agreement is not just at the initial weights

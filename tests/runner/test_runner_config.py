@@ -6,6 +6,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lingpack import config as config_lib
+from lingpack.kernels.kda import api as kda_api
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ["kernel", "data", "loss", "optim", "parallel", "logger", "model"]
@@ -24,13 +25,20 @@ def resolved(overrides, tmp_path):
     return OmegaConf.to_container(OmegaConf.create(plain), resolve=True)
 
 
+def test_every_registered_kda_kernel_has_a_kernel_config():
+    """conf/kernel/ offers exactly the implementations registered in kernels/kda/api.py."""
+    assert set(options("kernel")) == set(kda_api.names())
+    with pytest.raises(config_lib.ConfigError, match="not one of"):
+        config_lib.KernelConfig(name="fast")
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_group_option_composes_and_builds(group, option, tmp_path):
     overrides = [f"{group}={option}"]
     if group == "data" and option == "megatron":
         pytest.skip("needs real data paths (paths: ???); covered by test_missing_required_value")
     plain = resolved(overrides + ["data.cache_dir=" + str(tmp_path / "cache")], tmp_path)
-    if group == "kernel" and option in config_lib.KERNELS_WITH_MAX_SEGS:
+    if group == "kernel" and kda_api.needs_max_segs(option):
         assert plain["kernel"]["max_segs"]
     if group == "model" and option == "ling3_flagship":  # real vocab; pair it with data of that vocab
         plain["data"]["vocab_size"] = 258

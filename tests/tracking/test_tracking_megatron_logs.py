@@ -115,8 +115,9 @@ def test_2025_format_moe_mtp_validation_skipped_and_restart(tmp_path):
     assert steps[1]["lr"] == pytest.approx(1e-4) and steps[1]["tokens"] == 8 * 1024
     # the all-skipped interval's `lm loss: 0.0` is the reset accumulator, not a loss
     assert "lm_loss" not in steps[2] and run.report.skipped_loss_steps == [2]
-    # the restart re-logged iteration 3: the last one wins, and the repeat is reported
-    assert steps[3]["lm_loss"] == pytest.approx(11.00001) and run.report.duplicate_steps == [3]
+    # the restart re-logged iteration 3 (1.100000E+01, then 1.100001E+01): the last one wins, exactly, and the
+    # repeat is reported
+    assert steps[3]["lm_loss"] == 11.00001 and run.report.duplicate_steps == [3]
     assert run.validation == [{"step": 3, "val_lm_loss": pytest.approx(11.05),
                                "val_lm_loss_ppl": pytest.approx(62965.38)}]
     assert run.report.validation_lines == 1 and run.report.other_validation_lines == [10]

@@ -53,10 +53,11 @@ def test_sigterm_then_resume_is_bitwise_identical(tmp_path, straight):
     def kill_at_half(step, metrics):
         if step == N // 2:
             os.kill(os.getpid(), signal.SIGTERM)
+    previous = signal.getsignal(signal.SIGTERM)
     first = _train(tmp_path, callback=kill_at_half)
     assert first.preempted and first.last_step == N // 2
     assert Checkpointer(CheckpointConfig(directory=str(tmp_path / "ckpt"))).latest_step() == N // 2
-    assert signal.getsignal(signal.SIGTERM) is not None          # our handler is gone again
+    assert signal.getsignal(signal.SIGTERM) is previous          # the handler in place before training is back
 
     second = _train(tmp_path)                                     # restores step N/2, data position included
     assert second.start_step == N // 2 and second.last_step == N

@@ -111,5 +111,7 @@ def to_jnp(batch: dict) -> dict:
 
 
 def tree_allclose(a, b, rtol=1e-5, atol=1e-6) -> None:
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+    """Same tree structure (keys, nesting, leaf count) and every leaf close."""
+    assert jax.tree.structure(a) == jax.tree.structure(b), f"{jax.tree.structure(a)} != {jax.tree.structure(b)}"
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol, err_msg=str(path))

@@ -31,14 +31,14 @@ class KDAConfig:
     num_heads: int = 4
     head_dim: int = 32
     conv_size: int = 4
-    lower_bound: float | None = -5.0   # Ling3's safe gate; None = Kimi Linear's softplus gate
+    lower_bound: float | None = kda_gate.SAFE_GATE_MIN   # Ling3's safe gate; None = Kimi Linear's softplus gate
     gate_activation: str = "sigmoid"   # output gated norm: sigmoid (FLA, Moonshot), silu (old transformers port)
 
     def __post_init__(self):
         if self.num_heads < 1 or self.head_dim < 1 or self.conv_size < 1:
             raise ValueError(f"KDAConfig needs positive num_heads/head_dim/conv_size; got {self}")
-        if self.lower_bound is not None and not -5.0 <= self.lower_bound < 0.0:
-            raise ValueError(f"kda.lower_bound must lie in [-5, 0) or be null (softplus gate); got {self.lower_bound}")
+        if self.lower_bound is not None:
+            kda_gate.check_lower_bound(self.lower_bound, "kda.lower_bound (or null: the softplus gate)")
         if self.gate_activation not in ("sigmoid", "silu"):
             raise ValueError(f"kda.gate_activation must be 'sigmoid' or 'silu'; got {self.gate_activation!r}")
 

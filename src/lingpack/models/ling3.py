@@ -30,15 +30,13 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from lingpack.kernels.attention.api import IMPLS as ATTENTION_IMPLS
+from lingpack.kernels.kda import api as kda_api
 from lingpack.models.block import DecoderLayer, LayerSpec
 from lingpack.models.kda import KDAConfig, KDAKernel
 from lingpack.models.layers import DEFAULT_INIT, RMSNorm, as_dtype, partitioned
 from lingpack.models.mla import MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
 from lingpack.models.mtp import MTPConfig, MTPLayer, roll_and_mask_by_segment
-
-KDA_IMPLS = ("reference", "chunked", "chunked_aligned", "pallas_varlen", "pallas_segment")
-KDA_NEEDS_MAX_SEGS = ("chunked_aligned", "pallas_varlen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +74,9 @@ class Ling3Config:
             raise ValueError(f"mtp_num_layers must be >= 0; got {self.mtp_num_layers}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention_impl {self.attention_impl!r}; valid choices: {list(ATTENTION_IMPLS)}")
-        if self.kda_impl not in KDA_IMPLS:
-            raise ValueError(f"unknown kda_impl {self.kda_impl!r}; valid choices: {list(KDA_IMPLS)}")
-        if self.kda_impl in KDA_NEEDS_MAX_SEGS and not self.kda_max_segs:
+        if self.kda_impl not in kda_api.names():
+            raise ValueError(f"unknown kda_impl {self.kda_impl!r}; valid choices: {list(kda_api.names())}")
+        if kda_api.needs_max_segs(self.kda_impl) and not self.kda_max_segs:
             raise ValueError(f"kda_impl={self.kda_impl!r} needs kda_max_segs (the most documents per batch); set it")
         as_dtype(self.dtype), as_dtype(self.param_dtype)
 

@@ -190,3 +190,68 @@ def _split(array, name: str, shapes):
     if array.ndim >= 2 and not name.endswith("embed_tokens.weight"):
         return [T(array)]
     return [array]
+
+
+# --- one MLA layer <-> transformers' DeepseekV3Attention (MLA with RoPE) -----------------------------------
+def deepseek_v3_config_from_mla(cfg: MLAConfig, emb_dim: int, **extra):
+    """A DeepseekV3Config whose attention layer computes lingpack's `MLA(cfg, emb_dim)` (with the glue below).
+
+    DeepSeek-V3 rotates its whole rope slice; lingpack's partial rotary (rotary_dim < qk_rope_head_dim) is
+    expressed by `deepseek_v3_rope_inv_freq` (frequency 0, the identity, for the pass-through pairs) and, in
+    the half-split layout, by the feature order of `mla_to_deepseek_v3`."""
+    from transformers import DeepseekV3Config
+    if cfg.rope_type != "rope":
+        raise ValueError(f"DeepseekV3Attention always applies RoPE; mla.rope_type must be 'rope' (got {cfg.rope_type!r})")
+    if cfg.latent_norm_eps != 1e-6:
+        raise ValueError(f"DeepseekV3's latent norms use eps 1e-6; got mla.latent_norm_eps={cfg.latent_norm_eps}")
+    return DeepseekV3Config(
+        hidden_size=emb_dim, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        q_lora_rank=cfg.q_lora_rank or None, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        rope_interleave=cfg.rope_interleaved, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        attention_bias=False, **extra)
+
+
+def deepseek_v3_rope_inv_freq(cfg: MLAConfig) -> np.ndarray:
+    """`inv_freq` [qk_rope_head_dim / 2] for DeepseekV3RotaryEmbedding: lingpack's rotary frequencies
+    theta^(-2i / rotary_dim) for the rotated pairs, then 0 (angle 0: cos 1, sin 0) for the pass-through ones."""
+    half_rot, half = cfg.rotary_dim // 2, cfg.qk_rope_head_dim // 2
+    freqs = cfg.rope_theta ** (-np.arange(half_rot, dtype=np.float64) * 2.0 / cfg.rotary_dim)
+    return np.concatenate([freqs, np.zeros(half - half_rot)]).astype(np.float32)
+
+
+def _rope_order(cfg: MLAConfig) -> np.ndarray:
+    """DeepSeek-V3 rope feature j <- lingpack rope feature order[j].
+
+    Interleaved pairs are (2i, 2i+1) in both, the rotated ones first: no reordering. Half-split pairs are
+    (j, j + R/2) in DeepSeek-V3 but (i, i + r/2) inside lingpack's first r = rotary_dim features: the
+    rotated halves go to the first r/2 slots of each DeepSeek half, the pass-through features fill the rest."""
+    R, r = cfg.qk_rope_head_dim, cfg.rotary_dim
+    if cfg.rope_interleaved or r == R:
+        return np.arange(R)
+    passing = np.arange(r, R)
+    first = np.concatenate([np.arange(r // 2), passing[:(R - r) // 2]])
+    second = np.concatenate([np.arange(r // 2, r), passing[(R - r) // 2:]])
+    return np.concatenate([first, second])
+
+
+def mla_to_deepseek_v3(mla) -> dict[str, np.ndarray]:
+    """fp32 numpy state dict of a DeepseekV3Attention (its own parameter names) computing lingpack's `mla`.
+
+    Linear kernels `[in, out]` become weights `[out, in]`; the rope rows of q (per head) and of the shared
+    key are put in DeepSeek-V3's order (`_rope_order`), which permutes q and k alike: scores are unchanged."""
+    cfg = mla.cfg
+    H, nope, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    value = lambda module: np.asarray(module.kernel[...], np.float32)
+    order = _rope_order(cfg)
+    q_rows = np.concatenate([h * cfg.qk_head_dim + np.concatenate([np.arange(nope), nope + order]) for h in range(H)])
+    kv_a_rows = np.concatenate([np.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + order])
+    sd = {"kv_a_proj_with_mqa.weight": T(value(mla.kv_a_proj_with_mqa))[kv_a_rows],
+          "kv_a_layernorm.weight": np.asarray(mla.kv_a_layernorm.weight[...], np.float32),
+          "kv_b_proj.weight": T(value(mla.kv_b_proj)), "o_proj.weight": T(value(mla.o_proj))}
+    if cfg.q_lora_rank:
+        sd.update({"q_a_proj.weight": T(value(mla.q_a_proj)), "q_b_proj.weight": T(value(mla.q_b_proj))[q_rows],
+                   "q_a_layernorm.weight": np.asarray(mla.q_a_layernorm.weight[...], np.float32)})
+    else:
+        sd["q_proj.weight"] = T(value(mla.q_proj))[q_rows]
+    return {k: np.ascontiguousarray(v) for k, v in sd.items()}

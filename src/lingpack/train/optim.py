@@ -56,10 +56,15 @@ def _leaf_name(path) -> str:
     return str(getattr(last, "key", getattr(last, "name", last)))
 
 
+def applies_weight_decay(name: str, ndim: int) -> bool:
+    """The weight-decay rule, the one definition (lingpack pytrees and the torch reference's named parameters):
+    no decay on 1-D tensors nor on anything whose name ends in bias / A_log / dt_bias."""
+    return ndim > 1 and not name.endswith(NO_DECAY_NAMES)
+
+
 def decay_mask(params):
-    """Pytree of bools: True where weight decay applies (see the module docstring)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, p: p.ndim > 1 and _leaf_name(path) not in NO_DECAY_NAMES, params)
+    """Pytree of bools: True where weight decay applies (see `applies_weight_decay`)."""
+    return jax.tree_util.tree_map_with_path(lambda path, p: applies_weight_decay(_leaf_name(path), p.ndim), params)
 
 
 def global_norm(tree) -> jax.Array:

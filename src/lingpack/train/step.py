@@ -11,7 +11,7 @@ load counts (outside the gradient). A non-finite loss or gradient norm leaves th
 `step` (`metrics['finite'] == 0`), so `step - 1` is exactly the state before the bad batch; the loop halts
 or skips on it.
 
-Kernels with `max_segs` cu_seqlens slots (`kernels.kda.api.NEEDS_MAX_SEGS`) cannot hold more documents
+Kernels with `max_segs` cu_seqlens slots (`kernels.kda.api.needs_max_segs`) cannot hold more documents
 than that per micro-batch: `drop_overflow` turns the documents that do not fit into padding before the
 model runs, so they are out of the kernel, the loss and every gradient (MoE statistics included), and
 counted (`dropped_documents`, `dropped_tokens`). With `halt_on_overflow` such a step applies no update
@@ -123,7 +123,7 @@ def _moe_rate_and_weight(loss_cfg: LossConfig, model_cfg) -> tuple[float, float]
 
 def kernel_max_segs(model_cfg) -> int | None:
     """The cu_seqlens slots per micro-batch of the model's KDA kernel; None for kernels without phantom segments."""
-    if getattr(model_cfg, "kda_impl", None) not in kda_api.NEEDS_MAX_SEGS:
+    if not kda_api.needs_max_segs(getattr(model_cfg, "kda_impl", None)):
         return None
     return getattr(model_cfg, "kda_max_segs", None)
 

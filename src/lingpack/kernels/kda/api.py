@@ -26,7 +26,7 @@ IMPLS: dict[str, Callable] = {
     "chunked": chunked.chunked_segment_native,
     "chunked_aligned": chunked.chunked_aligned,
 }
-SAFE_GATE_MIN = -5.0  # Ling3's lower bound; 15 such steps inside a 16-token sub-chunk stay below exp(88)
+SAFE_GATE_MIN = gate.SAFE_GATE_MIN
 NEEDS_MAX_SEGS = {"chunked_aligned", "pallas_varlen"}
 CHUNKED = {"chunked", "chunked_aligned", "pallas_varlen", "pallas_segment"}
 FUSES_GATE: set[str] = set()  # impls that take the raw gate / raw q, k and apply gate and L2 norm in-kernel
@@ -50,6 +50,18 @@ def _load_optional_impls() -> None:
             except ModuleNotFoundError as err:
                 if err.name != f"lingpack.kernels.kda.{module}":
                     raise
+
+
+def names() -> tuple[str, ...]:
+    """Every registered implementation, the Pallas ones included: what configs accept and tests cover."""
+    _load_optional_impls()
+    return tuple(IMPLS)
+
+
+def needs_max_segs(name: str) -> bool:
+    """Whether implementation `name` packs documents into `max_segs` cu_seqlens slots."""
+    _load_optional_impls()
+    return name in NEEDS_MAX_SEGS
 
 
 def _check_shapes(q, k, v, g, beta, segment_ids, initial_state):
@@ -93,8 +105,8 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
     _check_shapes(q, k, v, g, beta, segment_ids, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if impl in CHUNKED and (chunk_size <= 0 or chunk_size % chunked.SUB_CHUNK):
-        raise ValueError(f"chunk_size must be a positive multiple of {chunked.SUB_CHUNK} (64 is standard); got {chunk_size}")
+    if impl in CHUNKED:
+        gate.check_chunk_size(chunk_size)
     if impl in NEEDS_MAX_SEGS and max_segs is None:
         raise ValueError(f"impl={impl!r} packs segments into max_segs cu_seqlens slots: set max_segs"
                          " (kernel.max_segs; `python -m lingpack.data.stats` recommends a value)")

@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from lingpack.kernels.kda import segments
-
-SUB_CHUNK = 16  # decay products are factored at sub-chunk boundaries (see _decay_products)
+from lingpack.kernels.kda.gate import SUB_CHUNK, check_chunk_size  # decays factored per sub-chunk
 
 
 def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
@@ -154,11 +153,6 @@ def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
     )
 
 
-def _check_chunk(chunk_size: int):
-    if chunk_size % SUB_CHUNK or chunk_size < SUB_CHUNK:
-        raise ValueError(f"chunk_size must be a positive multiple of {SUB_CHUNK} (e.g. 64); got {chunk_size}")
-
-
 def _to_chunks(x_BTH_, n_chunks, chunk_size):
     """[B, T, H, *] -> [B, N, H, C, *]."""
     B, T, H = x_BTH_.shape[:3]
@@ -183,7 +177,7 @@ def _prepare(q, k, v, g, beta, real_BT, scale):
 def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale,
                            initial_state_BHKV, chunk_size=64, safe_gate=False,
                            sub_chunk=SUB_CHUNK):
-    _check_chunk(chunk_size)
+    check_chunk_size(chunk_size)
     B, T, H, K = q_BTHK.shape
     n_chunks = -(-T // chunk_size)
     pad = n_chunks * chunk_size - T
@@ -222,7 +216,7 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
 
 def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale, initial_state_BHKV,
                     max_segs, chunk_size=64, safe_gate=False, sub_chunk=SUB_CHUNK):
-    _check_chunk(chunk_size)
+    check_chunk_size(chunk_size)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
     plan = segments.align_plan(segment_ids_BT, max_segs, chunk_size)

@@ -8,6 +8,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# The safe-gate contract, shared by every chunked kernel: with every g >= SAFE_GATE_MIN, a decay factor
+# across at most SUB_CHUNK - 1 steps inside a sub-chunk is <= e^(5 * 15) = e^75, below fp32's e^88 overflow.
+SAFE_GATE_MIN = -5.0  # Ling3's lower bound, and the lowest one the lower-bound gate accepts
+SUB_CHUNK = 16        # sub-chunk size of the decay-product factoring; chunk sizes are multiples of it
+
+
+def check_lower_bound(lower_bound: float, name: str = "lower_bound") -> None:
+    """The lower-bound gate's bound must lie in [SAFE_GATE_MIN, 0) (g stays in (lower_bound, 0))."""
+    if not SAFE_GATE_MIN <= lower_bound < 0.0:
+        raise ValueError(f"{name} must lie in [{SAFE_GATE_MIN:g}, 0); got {lower_bound}")
+
+
+def check_chunk_size(chunk_size: int, name: str = "chunk_size") -> None:
+    """Chunked kernels factor decays per SUB_CHUNK tokens: chunk sizes are positive multiples of it."""
+    if chunk_size < SUB_CHUNK or chunk_size % SUB_CHUNK:
+        raise ValueError(f"{name}={chunk_size} must be a positive multiple of {SUB_CHUNK} (64 is standard)")
+
 
 def softplus(x: jax.Array) -> jax.Array:
     """torch.nn.functional.softplus: x itself above 20, where log1p(exp(x)) == x in fp32 anyway."""
@@ -38,10 +55,9 @@ def softplus_gate(g_raw_BTHK: jax.Array, A_log: jax.Array, dt_bias: jax.Array | 
 
 
 def lower_bound_gate(g_raw_BTHK: jax.Array, A_log: jax.Array | None, dt_bias: jax.Array | None = None,
-                     lower_bound: float = -5.0) -> jax.Array:
+                     lower_bound: float = SAFE_GATE_MIN) -> jax.Array:
     """g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias)): Ling3's "safe gate", g in (lower_bound, 0)."""
-    if not -5.0 <= lower_bound < 0.0:
-        raise ValueError(f"lower_bound must lie in [-5, 0); got {lower_bound}")
+    check_lower_bound(lower_bound)
     x = _with_bias(g_raw_BTHK, dt_bias)
     if A_log is not None:
         x = jnp.exp(_check_a_log(A_log, g_raw_BTHK.shape[-2])) * x

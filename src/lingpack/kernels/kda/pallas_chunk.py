@@ -46,8 +46,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from lingpack.kernels.kda.gate import SAFE_GATE_MIN, SUB_CHUNK
+
 f32 = jnp.float32
-SUB = 16  # sub-block size: pairs inside a sub-block are explicit (SUB steps), across sub-blocks matmuls
+SUB = SUB_CHUNK  # sub-block size: pairs inside a sub-block are explicit (SUB steps), across sub-blocks matmuls
 # Matmul precision policy. Products whose errors compound stay fp32 at HIGHEST (~6 bf16 MXU passes): the
 # chunk cumsum and its reverse (a bf16 operand would round g's partial sums), the WY inverse's block
 # doubling and its gradient (errors there grow with each doubling level). Every other product takes
@@ -368,7 +370,7 @@ class Fusion(NamedTuple):
     """Static choice of what the kernel computes from raw inputs (see `gate.py` for the formulas), and how."""
     # None: g is the log-decay; "softplus": -a softplus(g + dt); "lower_bound": lb sigmoid(a (g + dt))
     gate: str | None = None
-    lower_bound: float = -5.0
+    lower_bound: float = SAFE_GATE_MIN
     qk_l2norm: bool = False
     bulk: str | None = None   # operand dtype of the bulk matmuls ("bfloat16"), None = fp32 HIGHEST (policy above)
 

@@ -20,6 +20,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from lingpack.kernels.kda import gate
 from lingpack.kernels.kda import pallas_chunk as chunk
 from lingpack.kernels.kda.pallas_chunk import iota
 
@@ -126,9 +127,7 @@ def from_heads(x_BHTV, T: int):
 
 
 def check_head_dims(K: int, V: int, chunk_size: int) -> None:
-    if chunk_size % 16 or chunk_size < 16:
-        raise ValueError(f"Pallas KDA kernels need chunk_size a multiple of 16 (64 is the tuned value);"
-                         f" got {chunk_size}")
+    gate.check_chunk_size(chunk_size)
     for name, d in (("K", K), ("V", V)):
         if d % 8:
             raise ValueError(f"Pallas KDA kernels need the {name} head dim to be a multiple of 8 (64 or 128 on TPU);"
@@ -196,8 +195,8 @@ def fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_qk_
         return chunk.Fusion(qk_l2norm=bool(use_qk_l2norm_in_kernel), bulk=bulk), jnp.zeros((H, 2, K), f32), safe_gate
     if lower_bound is None and A_log is None:
         raise ValueError("the softplus gate needs A_log; pass A_log or set lower_bound for the safe gate")
-    if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
-        raise ValueError(f"lower_bound must lie in [-5, 0); got {lower_bound}")
+    if lower_bound is not None:
+        gate.check_lower_bound(lower_bound)
     if dt_bias is not None and dt_bias.size != H * K:
         raise ValueError(f"dt_bias must have H*K = {H * K} elements (head-major [H, K]); got shape {dt_bias.shape}")
     if A_log is not None and A_log.size != H:
@@ -206,7 +205,7 @@ def fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_qk_
     a = jnp.ones((H,), f32) if A_log is None else jnp.exp(A_log.reshape(H).astype(f32))
     table = jnp.stack([dt, jnp.broadcast_to(a[:, None], (H, K))], axis=1)
     fusion = chunk.Fusion(gate="softplus" if lower_bound is None else "lower_bound",
-                          lower_bound=-5.0 if lower_bound is None else float(lower_bound),
+                          lower_bound=gate.SAFE_GATE_MIN if lower_bound is None else float(lower_bound),
                           qk_l2norm=bool(use_qk_l2norm_in_kernel), bulk=bulk)
     # The lower-bound gate keeps g >= lower_bound >= -5: the sub-block factoring cannot overflow.
     return fusion, table, bool(safe_gate) or lower_bound is not None

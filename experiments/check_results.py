@@ -1,0 +1,80 @@
+"""Check that every results table in README.md is the one its committed script wrote (`make check-results`).
+
+    python experiments/check_results.py [--write]
+
+A table sits in README.md between `<!-- results: NAME -->` and `<!-- /results -->`; NAME's artifact below
+is a Markdown file written by the named script. The check fails when a block differs from its artifact,
+when a block or artifact is missing, or when bench_kda.md no longer renders from bench_kda.json (whose
+derived ratios must also follow from its own timings). `--write` copies the artifacts into README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = {   # README block -> (artifact, the committed script that writes it)
+    "bench_kda": ("experiments/results/bench_kda.md", "experiments/bench_kda.py"),
+    "phantom_overhead": ("experiments/phantom_overhead/results/results.md", "experiments/phantom_overhead/sweep.py"),
+    "loss_parity": ("experiments/loss_parity/results/results.md", "experiments/loss_parity/run_parity.py"),
+    "make_run": ("experiments/make_run/results/results.md", "experiments/make_run/run_default.py"),
+    "context_parallel": ("experiments/context_parallel/results/results.md", "experiments/context_parallel/bench.py"),
+}
+BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
+
+
+def _bench_problems() -> list[str]:
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_kda import table
+    result = json.loads((ROOT / "experiments/results/bench_kda.json").read_text())
+    p1, problems = result["part1"], []
+    chunked = p1["times_s"]["lingpack chunked (segment-native)"]
+    for key, peer in (("speedup_vs_fla_naive_chunk", "FLA naive_chunk_kda (torch)"),
+                      ("speedup_vs_transformers", "transformers chunk_kimi_delta_attention (torch)")):
+        if not math.isclose(p1[key], p1["times_s"][peer] / chunked, rel_tol=1e-9):
+            problems.append(f"bench_kda.json: {key} is not its own timings' ratio (mixed runs?)")
+    if table(result) != (ROOT / ARTIFACTS["bench_kda"][0]).read_text():
+        problems.append("bench_kda.md does not render from bench_kda.json: python experiments/bench_kda.py --table-only")
+    return problems
+
+
+def problems(readme: str) -> list[str]:
+    found = {m.group(2): m.group(3) for m in BLOCK.finditer(readme)}
+    out = [f"README.md has a results block {name!r} with no artifact" for name in sorted(set(found) - set(ARTIFACTS))]
+    for name, (artifact, script) in ARTIFACTS.items():
+        path = ROOT / artifact
+        if not path.exists():
+            out.append(f"{artifact} is missing: run {script}")
+        elif name not in found:
+            out.append(f"README.md lacks the block <!-- results: {name} --> ... <!-- /results --> for {artifact}")
+        elif found[name] != path.read_text():
+            out.append(f"README.md's {name!r} block differs from {artifact} (written by {script});"
+                       " python experiments/check_results.py --write copies it in")
+    return out + _bench_problems()
+
+
+def write(readme: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + (ROOT / ARTIFACTS[m.group(2)][0]).read_text() + m.group(4), readme)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="copy every artifact into its README block")
+    args = parser.parse_args()
+    readme_path = ROOT / "README.md"
+    if args.write:
+        readme_path.write_text(write(readme_path.read_text()))
+    found = problems(readme_path.read_text())
+    for line in found:
+        print("FAIL:", line)
+    print("README results match their artifacts" if not found else f"{len(found)} problem(s)")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -187,7 +187,7 @@ class TrainConfig:
 
     nan_policy: "halt" (save a checkpoint of the last good state, then stop with an error message) or
         "skip" (drop the update, keep going). peak_flops_per_device: for the MFU estimate; None looks the
-        device kind up in a small table (unknown kinds report mfu 0). progress_bar: tqdm on the console.
+        device kind up in a small table (CPU: the measured matmul ceiling; unknown kinds report mfu 0). progress_bar: tqdm on the console.
     overflow_policy: a micro-batch with more documents than the aligned kernels' `kda_max_segs` has its
         overflowing documents dropped by the kernel (never mixed); "warn" logs and counts it, "halt" stops
         with an error naming the fix.

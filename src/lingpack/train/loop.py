@@ -142,6 +142,8 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     if not peak:
         log.info("peak FLOP/s of %s unknown: mfu reported as 0 (set train.peak_flops_per_device)",
                  jax.devices()[0].device_kind)
+    elif not train_cfg.peak_flops_per_device and jax.devices()[0].platform == "cpu":
+        log.info("mfu on CPU is against the measured matmul ceiling: %.1f GFLOP/s per device", peak / 1e9)
 
     history, saved, skipped, preempted = [], [], 0, False
     bar = _progress(train_cfg, start)

@@ -57,9 +57,13 @@ def _leaf_name(path) -> str:
 
 
 def decay_mask(params):
-    """Pytree of bools: True where weight decay applies (see the module docstring)."""
+    """Pytree of bools: True where weight decay applies (see the module docstring).
+
+    The ndim rule counts a layer's own axes: scanned layers' parameters carry leading stack axes.
+    """
+    from lingpack.models.ling3 import stacked_axes
     return jax.tree_util.tree_map_with_path(
-        lambda path, p: p.ndim > 1 and _leaf_name(path) not in NO_DECAY_NAMES, params)
+        lambda path, p: p.ndim - stacked_axes(path) > 1 and _leaf_name(path) not in NO_DECAY_NAMES, params)
 
 
 def global_norm(tree) -> jax.Array:

@@ -3,8 +3,8 @@
     python experiments/bench_train.py [--quick] [--models tiny,small,small24] [--label after]
                                       [--out experiments/results/bench_train_<label>.json]
 
-Models: conf/model/ling3_tiny.yaml, ling3_small.yaml, and `small24` = ling3_small with the flagship's 24
-layers. Each runs the real jitted train step (`train.step.make_train_step`: forward, backward, clip,
+Models: conf/model/ling3_tiny.yaml, ling3_small.yaml, `small24` = ling3_small with the flagship's 24
+layers and `small4` = ling3_small with 4 (compile time against depth). Each runs the real jitted train step (`train.step.make_train_step`: forward, backward, clip,
 AdamW, expert-bias update) on one synthetic packed batch (log-normal document lengths, some padding).
 
 * compile: seconds of `lower` + `compile` of the step (tracing included).
@@ -52,6 +52,7 @@ MODELS = {
     "tiny": ("ling3_tiny", {}, 8, 256),
     "small": ("ling3_small", {}, 1, 256),
     "small24": ("ling3_small", {"num_layers": 24}, 1, 256),
+    "small4": ("ling3_small", {"num_layers": 4}, 1, 256),   # the depth baseline of the compile-time goal
 }
 
 

@@ -16,6 +16,7 @@ AdamW, expert-bias update) on one synthetic packed batch (log-normal document le
   jitted alone, forward + backward at the model's batch shape, timed the same way and multiplied by
   how often a step runs it; also XLA's FLOP count per component. With `remat` the step recomputes each
   layer's forward once more, which the isolated timings do not include.
+* `--moe-ab`: one MoE layer with `ragged_dot` against the tiled grouped matmul, interleaved.
 Every number is a ratio or a time within this run on this machine; absolute times depend on the load.
 """
 
@@ -197,6 +198,22 @@ def breakdown(cfg, B: int, T: int, repeats: int, step_s: float) -> list:
     return sorted(rows, key=lambda r: -r["seconds_per_step"])
 
 
+def moe_ab(cfg, B: int, T: int, repeats: int) -> dict:
+    """One MoE layer forward + backward with each grouped matmul (`ragged_dot`, `tiled`), interleaved."""
+    kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=nnx.Rngs(0))
+    seg = packed_batch(B, T, cfg.vocab_size)["inputs_segmentation"]
+    x = jax.random.normal(jax.random.key(1), (B, T, cfg.emb_dim), kw["dtype"])
+    fns, flops = {}, {}
+    for impl in ("ragged_dot", "tiled"):
+        spec = cfg.layer_spec("mla", "moe")
+        spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, grouped_matmul=impl))
+        fn, params = _fwd_bwd(DecoderLayer(spec, **kw).mlp, lambda m, x: m(x, seg)[0])
+        fns[impl] = lambda f=fn, p=params: jax.block_until_ready(f(p, x))
+        flops[impl] = xla_flops(fn.lower(params, x).compile()) / 1e9
+    times = interleaved(fns, repeats)
+    return {"seconds": times, "xla_gflop": flops, "ragged_over_tiled": times["ragged_dot"] / times["tiled"]}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 repeats, no breakdown")
@@ -204,14 +221,22 @@ def main():
     parser.add_argument("--label", default="after", help="names the output file, e.g. before / after")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a top-level model key for every model (e.g. remat=false)")
+    parser.add_argument("--moe-ab", action="store_true", help="only the MoE grouped-matmul A/B per model")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     repeats = 2 if args.quick else 5
     extra = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores, label {args.label}, {extra}")
     result = {"label": args.label, "overrides": extra, "models": {}}
+    out = Path(args.out or ROOT / "experiments" / "results" / f"bench_train_{args.label}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         cfg, B, T = model_config(name, **extra)
+        if args.moe_ab:
+            result["models"][name] = row = moe_ab(cfg, B, T, repeats)
+            print(f"{name:8s} MoE layer fwd+bwd: {row['seconds']} s, XLA GFLOP {row['xla_gflop']}", flush=True)
+            out.write_text(json.dumps(result, indent=2))
+            continue
         row = bench_step(cfg, B, T, repeats)
         print(f"{name:8s} layers {row['layers']:2d} B={B} T={T}: compile {row['compile_s']:6.1f} s | step"
               f" {row['step_s']:7.3f} s | {row['tokens_per_s']:8.0f} tok/s | MFU {100 * row['mfu']:5.1f}%"
@@ -222,9 +247,7 @@ def main():
                 print(f"    {r['component']:34s} x{r['calls']:2d} {r['seconds_per_step']:7.3f} s"
                       f" ({100 * r['share_of_step']:5.1f}% of the step) {r['xla_gflop_per_step']:8.2f} GFLOP", flush=True)
         result["models"][name] = row
-    out = Path(args.out or ROOT / "experiments" / "results" / f"bench_train_{args.label}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+        out.write_text(json.dumps(result, indent=2))  # after every model: a long run that dies keeps its rows
     print(f"wrote {out}")
 
 

@@ -13,7 +13,14 @@ with max_segs whatever the batch holds. The wrapper's XLA layout copies (transpo
 are not included (see README). `--time` adds CPU interpret-mode wall times at a small shape: a sanity
 figure for the implementation, not a TPU measurement.
 
+Budget table (before/after issue 17): per training call (forward + gradient) of each design and precision
+policy at T = 8K and 512K: grid steps, MXU FLOPs, bf16 MXU passes (an fp32 HIGHEST product = 6 passes, a
+bf16-operand one = 1) and each kernel's pipeline VMEM (every in/out block double-buffered + scratch) with
+the vmem_limit_bytes it sets. `--src DIR --label before` traces another checkout's `src` (e.g. the tree
+before issue 17, `git archive 16217d5 src | tar -x -C /tmp/before`) and writes only its budget rows.
+
     .venv/bin/python experiments/pallas_cost/cost_model.py [--time]   # writes results.json and results.md
+    .venv/bin/python experiments/pallas_cost/cost_model.py --src /tmp/before/src --label before
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))
+SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else str(ROOT / "src")
+sys.path.insert(0, SRC)
 
 import jax  # noqa: E402
 import jax.extend  # noqa: E402
@@ -84,17 +92,50 @@ def dma_bytes(eqn, prefetch) -> int:
     return total
 
 
-def kernel_costs(fn, args, prefetch) -> dict:
+def pass_flops(jaxpr) -> int:
+    """MXU FLOPs weighted by bf16 passes: 16-bit operands 1, fp32 at HIGHEST 6, at HIGH 3 (DEFAULT 1)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            flops = 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(eqn.invars[0].aval.shape[d] for d in contract)
+            precision = eqn.params.get("precision")
+            precision = precision[0] if isinstance(precision, tuple) else precision
+            passes = 1 if all(jnp.dtype(v.aval.dtype).itemsize <= 2 for v in eqn.invars) else {
+                jax.lax.Precision.HIGHEST: 6, jax.lax.Precision.HIGH: 3}.get(precision, 1)
+            total += flops * passes
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                if hasattr(inner, "eqns"):
+                    total += pass_flops(inner)
+    return total
+
+
+def vmem_bytes(eqn) -> int:
+    """Pipeline VMEM of one pallas_call: every in/out block double-buffered, plus its scratch buffers."""
+    gm = eqn.params["grid_mapping"]
+    blocks = sum(math.prod(pallas_core._get_block_shape(bm.block_shape)) * jnp.dtype(bm.array_aval.dtype).itemsize
+                 for bm in gm.block_mappings)
+    scratch = eqn.params["jaxpr"].invars[len(eqn.params["jaxpr"].invars) - gm.num_scratch_operands:]
+    return 2 * blocks + sum(math.prod(v.aval.shape) * jnp.dtype(v.aval.dtype).itemsize for v in scratch)
+
+
+def kernel_costs(fn, args, prefetch, dma=True) -> dict:
     calls = pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr)
     out = {"kernels": {}}
     for eqn in calls:
         steps = math.prod(int(n) for n in eqn.params["grid_mapping"].grid)
         per_step = pallas_common.jaxpr_cost(eqn.params["jaxpr"])
         entry = {k: steps * v for k, v in per_step.items()}
+        params = eqn.params.get("compiler_params")
+        entry.update(mxu_pass_flops=steps * pass_flops(eqn.params["jaxpr"]), vmem_bytes=vmem_bytes(eqn),
+                     vmem_limit_bytes=getattr(params, "vmem_limit_bytes", None), steps=steps)
         entry.update(grid=[int(n) for n in eqn.params["grid_mapping"].grid],
-                     hbm_bytes=dma_bytes(eqn, prefetch if eqn.params["grid_mapping"].num_index_operands else ()))
+                     hbm_bytes=dma_bytes(eqn, prefetch if eqn.params["grid_mapping"].num_index_operands else ())
+                     if dma else 0)
         out["kernels"][eqn.params["name"]] = entry
-    for key in ("mxu_flops", "vpu_ops", "transcendentals", "hbm_bytes"):
+    for key in ("mxu_flops", "mxu_pass_flops", "vpu_ops", "transcendentals", "hbm_bytes", "steps"):
         out[key] = sum(k[key] for k in out["kernels"].values())
     return out
 
@@ -120,6 +161,51 @@ def costs_for(impl, seg, max_segs, safe_gate):
     train = kernel_costs(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), shapes(), prefetch)
     forward = kernel_costs(fwd, shapes(), prefetch)
     return {"forward": forward, "train": train}
+
+
+BUDGET_T = [8192, 1 << 19]
+
+
+def budget_rows(label: str) -> list:
+    """Per training call at [1, T, 16, 128] bf16 for each design and precision policy (see the docstring)."""
+    import inspect
+    policies = [None, "highest"] if "precision" in inspect.signature(api.chunk_kda).parameters else [None]
+    rows = []
+    for impl in IMPLS:
+        for precision in policies:
+            for t in BUDGET_T:
+                kw = dict(segment_ids=jnp.ones((B, t), jnp.int32), impl=impl, chunk_size=C, max_segs=64,
+                          output_final_state=True, interpret=False)
+                kw.update({"precision": precision} if precision else {})
+
+                def loss(*a):
+                    o, s = api.chunk_kda(*a, **kw)
+                    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+                bf, f32 = jnp.bfloat16, jnp.float32
+                args = [jax.ShapeDtypeStruct((B, t, H, K), bf)] * 3 + [jax.ShapeDtypeStruct((B, t, H, K), f32),
+                                                                       jax.ShapeDtypeStruct((B, t, H), f32)]
+                c = kernel_costs(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), args, (), dma=False)
+                limits = [k["vmem_limit_bytes"] for k in c["kernels"].values()]
+                rows.append(dict(label=label, impl=impl, precision=precision or "by dtype", T=t, steps=c["steps"],
+                                 mxu_flops=c["mxu_flops"], mxu_pass_flops=c["mxu_pass_flops"],
+                                 kernels=sorted(c["kernels"]),
+                                 max_vmem_bytes=max(k["vmem_bytes"] for k in c["kernels"].values()),
+                                 vmem_limit_bytes=None if None in limits else max(limits)))
+                print(label, impl, precision, t, "done", flush=True)
+    return rows
+
+
+def budget_markdown(rows) -> str:
+    lines = ["| tree | impl | matmul precision | T | grid steps | MXU GFLOP | bf16 MXU passes (G) | "
+             "max kernel VMEM MiB | vmem_limit MiB |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        precision = "fp32 HIGHEST (all)" if r["label"] == "before" or r["precision"] == "highest" else \
+            "bf16 bulk, fp32 cumsum + inverse"
+        limit = "unset" if r["vmem_limit_bytes"] is None else f"{r['vmem_limit_bytes'] / 2**20:.0f}"
+        lines.append(f"| {r['label']} | {r['impl']} | {precision} | {r['T']} | {r['steps']} | "
+                     f"{r['mxu_flops'] / 1e9:.1f} | {r['mxu_pass_flops'] / 1e9:.1f} | "
+                     f"{r['max_vmem_bytes'] / 2**20:.2f} | {limit} |")
+    return "\n".join(lines) + "\n"
 
 
 def xla_chunked_costs():
@@ -198,17 +284,25 @@ def markdown(results) -> str:
     lines += [f"| **segment-native**, any count | {T} | 1.00 | {seg['forward']['mxu_flops'] / 1e9:.1f} | "
               f"{seg['train']['mxu_flops'] / 1e9:.1f} | {seg['forward']['hbm_bytes'] / 1e9:.2f} | "
               f"{seg['train']['hbm_bytes'] / 1e9:.2f} | {layout_bytes('pallas_segment', T, True) / 1e9:.3f} | - |", "",
-              "Per grid step (one chunk of one head), the same for both designs; the exact path forms the pairs "
-              "inside each 16-token sub-block explicitly (VPU + exp), the safe-gate path (g >= -5) with one "
-              "factored matmul per product:", "",
-              "| kernel | path | MXU MFLOP | VPU Mop | transcendentals (k) |", "|---|---|---:|---:|---:|"]
-    steps = math.prod(seg["forward"]["kernels"]["kda_segment_fwd"]["grid"])
+              "Per chunk of one head (a grid step processes several heads), the same for both designs; the exact "
+              "path forms the pairs inside each 16-token sub-block explicitly (VPU + exp), the safe-gate path "
+              "(g >= -5) with one factored matmul per product. bf16 inputs, so the bulk matmuls take bf16 operands "
+              "(1 MXU pass) and the cumsum and the WY inverse stay fp32 HIGHEST (6 passes); the forward saves each "
+              "chunk's inverse, so the states and gradient kernels do not recompute it:", "",
+              "| kernel | path | MXU MFLOP | bf16 MXU passes (M) | VPU Mop | transcendentals (k) |",
+              "|---|---|---:|---:|---:|---:|"]
+    head_chunks = B * H * (T // C)
     for kernel in ("fwd", "states", "bwd"):
         for path in ("exact", "safe_gate"):
             k = results["rows"][0]["pallas_segment"][path]["train"]["kernels"][f"kda_segment_{kernel}"]
-            lines.append(f"| {kernel} | {path} | {k['mxu_flops'] / steps / 1e6:.1f} | "
-                         f"{k['vpu_ops'] / steps / 1e6:.2f} | {k['transcendentals'] / steps / 1e3:.0f} |")
+            lines.append(f"| {kernel} | {path} | {k['mxu_flops'] / head_chunks / 1e6:.1f} | "
+                         f"{k['mxu_pass_flops'] / head_chunks / 1e6:.1f} | "
+                         f"{k['vpu_ops'] / head_chunks / 1e6:.2f} | {k['transcendentals'] / head_chunks / 1e3:.0f} |")
     lines.append("")
+    if results.get("budget"):
+        lines += ["Before/after issue 17, per training call (forward + states + gradient kernels) at B=1, H=16, "
+                  "K=V=128, bf16 inputs, one document per row (the exact path; the fwd, states and bwd kernels):", "",
+                  budget_markdown(results["budget"])]
     if "xla" in results:
         x = results["xla"]
         lines += [f"Cross-check, XLA's cost analysis of the jnp forward at the same shape (CPU compile): `chunked` "
@@ -233,7 +327,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time", action="store_true", help="also time CPU interpret mode at a small shape")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA cost-analysis cross-check")
+    parser.add_argument("--src", help="trace this checkout's src instead (budget rows only)")
+    parser.add_argument("--label", default="after", help="name of the tree in the budget table")
+    parser.add_argument("--report", action="store_true", help="only rewrite results.md from results.json")
     args = parser.parse_args()
+    if args.report:
+        (OUT / "results.md").write_text(markdown(json.loads((OUT / "results.json").read_text())))
+        return
+    budget = budget_rows(args.label)
+    (OUT / f"budget_{args.label}.json").write_text(json.dumps(budget, indent=1))
+    if args.src:
+        return
     rows = []
     for max_segs in MAX_SEGS:
         seg = segmentation(max_segs)
@@ -252,6 +356,8 @@ def main():
         results["xla"] = xla_chunked_costs()
     if args.time:
         results["interpret"] = interpret_timings()
+    before = OUT / "budget_before.json"
+    results["budget"] = (json.loads(before.read_text()) if before.exists() else []) + budget
     (OUT / "results.json").write_text(json.dumps(results, indent=1))
     (OUT / "results.md").write_text(markdown(results))
     print(markdown(results))

@@ -159,7 +159,8 @@ def build(cfg: dict, run_dir: str) -> RunConfig:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {sorted(known - {'hydra'})}")
     kernel = make(KernelConfig, cfg.get("kernel"), "kernel")
     model_values = dict(cfg.get("model") or {})
-    model_values.update(kda_impl=kernel.name, kda_chunk_size=kernel.chunk_size, kda_max_segs=kernel.max_segs)
+    model_values.update(kda_impl=kernel.name, kda_chunk_size=kernel.chunk_size, kda_max_segs=kernel.max_segs,
+                        kda_interpret=kernel.interpret)
     try:
         model = config_from_dict(model_values)
     except (ValueError, TypeError) as err:

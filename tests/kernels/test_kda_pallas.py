@@ -154,7 +154,7 @@ def test_chunk_backward_matches_autodiff_of_chunk_forward(monkeypatch, safe_gate
     def masks(prev_last):
         return pallas_chunk.segment_masks(ids, prev_last) if with_masks else pallas_chunk.NO_MASKS
 
-    fwd = lambda *a: pallas_chunk.chunk_forward(*a[:6], masks=masks(a[6]), safe_gate=safe_gate)
+    fwd = lambda *a: pallas_chunk.chunk_forward(*a[:6], masks=masks(a[6]), safe_gate=safe_gate)[:2]
     bwd = jax.jit(lambda *a: pallas_chunk.chunk_backward(*a[:8], masks=masks(a[8]), safe_gate=safe_gate))
     vjp_of_fwd = jax.jit(lambda *a: jax.vjp(lambda *x: fwd(*x, a[8]), *a[:6])[1]((a[6], a[7])))
     for prev_last in (3.0, 2.0):   # the chunk continues the incoming segment / starts a new one
@@ -286,8 +286,8 @@ def test_lowers_to_mosaic_for_tpu_at_production_shape(impl, safe_gate):
     grad_module = export_for_tpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     assert "tpu_custom_call" in fwd_module and "tpu_custom_call" in grad_module
     assert set(re.findall(rf"kda_{design}_\w+", fwd_module)) == {f"kda_{design}_fwd"}
-    # the backward: the state-recompute kernel and the reverse-chunk gradient kernel (the forward is not needed)
-    assert set(re.findall(rf"kda_{design}_\w+", grad_module)) == {f"kda_{design}_states", f"kda_{design}_bwd"}
+    # the gradient: the forward (saving each chunk's WY inverse), the state-recompute and reverse-chunk kernels
+    assert set(re.findall(rf"kda_{design}_\w+", grad_module)) == {f"kda_{design}_{k}" for k in ("fwd", "states", "bwd")}
 
 
 # --- larger shapes -------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class KDAKernel:
     impl: str = "chunked"
     chunk_size: int = 64
     max_segs: int | None = None
+    interpret: bool | None = None   # Pallas only: None = interpret mode off TPU; False forces Mosaic (TPU export)
 
 
 class KDA(nnx.Module):
@@ -86,7 +87,8 @@ class KDA(nnx.Module):
         o_BTHV, _ = chunk_kda(
             q_BTHK, k_BTHK, v_BTHV, g_raw_BTHK, beta_BTH, segment_ids=segment_ids_BT, impl=self.kernel.impl,
             chunk_size=self.kernel.chunk_size, max_segs=self.kernel.max_segs, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...], lower_bound=self.cfg.lower_bound)
+            use_gate_in_kernel=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...], lower_bound=self.cfg.lower_bound,
+            interpret=self.kernel.interpret)
         gate_BTHV = heads(self.g_b_proj(self.g_a_proj(x_BTD)))
         y_BTHV = self.o_norm(o_BTHV, gate_BTHV)
         return self.o_proj(y_BTHV.reshape(B, T, H * K))

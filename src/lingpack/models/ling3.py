@@ -69,6 +69,7 @@ class Ling3Config:
     kda_impl: str = "chunked"
     kda_chunk_size: int = 64
     kda_max_segs: int | None = None
+    kda_interpret: bool | None = None  # Pallas KDA kernels: None = interpret mode off TPU
     attention_impl: str = "dot_product"
     attention_block_size: int = 128
     remat: bool = False
@@ -113,7 +114,7 @@ class Ling3Config:
         return start, (cycles if self.scan_layers and cycles >= 2 else 0)
 
     def layer_spec(self, mixer: str, ffn: str) -> LayerSpec:
-        kernel = KDAKernel(self.kda_impl, self.kda_chunk_size, self.kda_max_segs)
+        kernel = KDAKernel(self.kda_impl, self.kda_chunk_size, self.kda_max_segs, self.kda_interpret)
         return LayerSpec(mixer, ffn, self.emb_dim, self.mlp_dim, self.norm_eps, self.kda, kernel, self.mla,
                          self.attention_impl, self.attention_block_size, self.moe)
 

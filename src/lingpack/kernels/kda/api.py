@@ -76,14 +76,16 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
               max_segs: int | None = None, scale: float | None = None, initial_state=None,
               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
               use_gate_in_kernel: bool = False, A_log=None, dt_bias=None, lower_bound: float | None = None,
-              safe_gate: bool = False, interpret: bool | None = None):
+              safe_gate: bool = False, interpret: bool | None = None, precision: str | None = None):
     """KDA over packed rows; see the module docstring for shapes and semantics.
 
     With `use_gate_in_kernel`, `g` holds the raw gate pre-activation and the gate (softplus form with
     `A_log`/`dt_bias`, or the safe form when `lower_bound` is set) is applied here; with
     `use_qk_l2norm_in_kernel`, q and k are L2-normalised (fp32) here. `safe_gate` promises every
     g >= -5 (always true for the lower-bound gate, which sets it), letting the chunked kernels form
-    within-sub-chunk decays with matmuls; a larger decay would then overflow. `interpret` only concerns Pallas.
+    within-sub-chunk decays with matmuls; a larger decay would then overflow. `interpret` and `precision` only
+    concern Pallas (`precision`: None = bf16 matmul operands for bf16 inputs, fp32 for fp32; "default" = bf16;
+    "highest" = fp32 everywhere; the cumsum and the WY inverse are always fp32, see `pallas_chunk`).
     """
     _load_optional_impls()
     if impl not in IMPLS:
@@ -127,7 +129,7 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
     if impl in NEEDS_MAX_SEGS:
         kwargs["max_segs"] = max_segs
     if impl.startswith("pallas"):
-        kwargs["interpret"] = interpret
+        kwargs.update(interpret=interpret, precision=precision)
     kwargs.update(fused)
     o, final_state = IMPLS[impl](q, k, v, g, beta, **kwargs)
     return o.astype(v.dtype), (final_state if output_final_state else None)

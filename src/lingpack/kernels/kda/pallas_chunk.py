@@ -48,22 +48,34 @@ from jax.experimental.pallas import tpu as pltpu
 
 f32 = jnp.float32
 SUB = 16  # sub-block size: pairs inside a sub-block are explicit (SUB steps), across sub-blocks matmuls
-PRECISION = jax.lax.Precision.HIGHEST  # fp32 contract precision on the MXU: the WY inverse and cumsum need it
+# Matmul precision policy. Products whose errors compound stay fp32 at HIGHEST (~6 bf16 MXU passes): the
+# chunk cumsum and its reverse (a bf16 operand would round g's partial sums), the WY inverse's block
+# doubling and its gradient (errors there grow with each doubling level). Every other product takes
+# `bulk` operands: bf16 (one MXU pass, fp32 accumulation) or None = fp32 at HIGHEST.
+EXACT = jax.lax.Precision.HIGHEST
 
 
-def mm(a, b):
-    """a @ b in fp32."""
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=PRECISION, preferred_element_type=f32)
+def _dot(a, b, contract, bulk):
+    if bulk is not None and jnp.dtype(bulk) != f32:
+        a, b, precision = a.astype(bulk), b.astype(bulk), jax.lax.Precision.DEFAULT
+    else:
+        precision = EXACT
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=f32)
 
 
-def mm_nt(a, b):
-    """a @ b^T in fp32 (contract the last dims)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=PRECISION, preferred_element_type=f32)
+def mm(a, b, bulk=None):
+    """a @ b, fp32 result; operands rounded to `bulk` (None: fp32 at HIGHEST)."""
+    return _dot(a, b, ((1,), (0,)), bulk)
 
 
-def mm_tn(a, b):
-    """a^T @ b in fp32 (contract the first dims)."""
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=PRECISION, preferred_element_type=f32)
+def mm_nt(a, b, bulk=None):
+    """a @ b^T (contract the last dims), fp32 result."""
+    return _dot(a, b, ((1,), (1,)), bulk)
+
+
+def mm_tn(a, b, bulk=None):
+    """a^T @ b (contract the first dims), fp32 result."""
+    return _dot(a, b, ((0,), (0,)), bulk)
 
 
 def iota(shape, dim):
@@ -162,7 +174,7 @@ def _diagonal_steps(G, sb: _SubBlocks):
         yield d, ok, E
 
 
-def decay_products(q, k, G, sb: _SubBlocks):
+def decay_products(q, k, G, sb: _SubBlocks, bulk=None):
     """Aqk (i <= c) and Akk (i < c) of the module docstring, causal but not yet segment-masked; fp32 [C, C]."""
     C = q.shape[0]
     q_from, k_from = q * sb.from_start, k * sb.from_start
@@ -170,12 +182,12 @@ def decay_products(q, k, G, sb: _SubBlocks):
     A_kk = jnp.zeros((C, C), f32)
     for in_p, to_p in zip(sb.in_block, sb.to_block):
         k_to = k * to_p
-        A_qk += mm_nt(jnp.where(in_p, q_from, 0.0), k_to)
-        A_kk += mm_nt(jnp.where(in_p, k_from, 0.0), k_to)
+        A_qk += mm_nt(jnp.where(in_p, q_from, 0.0), k_to, bulk)
+        A_kk += mm_nt(jnp.where(in_p, k_from, 0.0), k_to, bulk)
     if sb.to_start is not None:
         k_start = k * sb.to_start
-        A_qk += jnp.where(sb.same_block & (sb.diff >= 0), mm_nt(q_from, k_start), 0.0)
-        A_kk += jnp.where(sb.same_block & (sb.diff > 0), mm_nt(k_from, k_start), 0.0)
+        A_qk += jnp.where(sb.same_block & (sb.diff >= 0), mm_nt(q_from, k_start, bulk), 0.0)
+        A_kk += jnp.where(sb.same_block & (sb.diff > 0), mm_nt(k_from, k_start, bulk), 0.0)
         return A_qk, A_kk
     for d, ok, E in _diagonal_steps(G, sb):
         kE = roll_rows(k, d) * E
@@ -186,7 +198,7 @@ def decay_products(q, k, G, sb: _SubBlocks):
     return A_qk, A_kk
 
 
-def decay_product_grads(dA_qk, dA_kk, q, k, G, sb: _SubBlocks):
+def decay_product_grads(dA_qk, dA_kk, q, k, G, sb: _SubBlocks, bulk=None):
     """Gradients of A_qk = P(q, k) and A_kk = P(k, k) given masked dA: returns (dq, dk, dG)."""
     C, K = q.shape
     zeros = jnp.zeros((C, K), f32)
@@ -194,18 +206,18 @@ def decay_product_grads(dA_qk, dA_kk, q, k, G, sb: _SubBlocks):
     q_from, k_from = q * sb.from_start, k * sb.from_start
     for in_p, to_p in zip(sb.in_block, sb.to_block):
         k_to = k * to_p
-        R_q += jnp.where(in_p, mm(dA_qk, k_to), 0.0)
-        R_k += jnp.where(in_p, mm(dA_kk, k_to), 0.0)
-        RT_k += to_p * mm_tn(dA_kk, jnp.where(in_p, k_from, 0.0))   # to_p is 0 outside rows before n
-        RT_q += to_p * mm_tn(dA_qk, jnp.where(in_p, q_from, 0.0))
+        R_q += jnp.where(in_p, mm(dA_qk, k_to, bulk), 0.0)
+        R_k += jnp.where(in_p, mm(dA_kk, k_to, bulk), 0.0)
+        RT_k += to_p * mm_tn(dA_kk, jnp.where(in_p, k_from, 0.0), bulk)   # to_p is 0 outside rows before n
+        RT_q += to_p * mm_tn(dA_qk, jnp.where(in_p, q_from, 0.0), bulk)
     if sb.to_start is not None:
         dA_qk_d = jnp.where(sb.same_block, dA_qk, 0.0)
         dA_kk_d = jnp.where(sb.same_block, dA_kk, 0.0)
         k_start = k * sb.to_start
-        R_q += mm(dA_qk_d, k_start)
-        R_k += mm(dA_kk_d, k_start)
-        RT_k += sb.to_start * mm_tn(dA_kk_d, k_from)
-        RT_q += sb.to_start * mm_tn(dA_qk_d, q_from)
+        R_q += mm(dA_qk_d, k_start, bulk)
+        R_k += mm(dA_kk_d, k_start, bulk)
+        RT_k += sb.to_start * mm_tn(dA_kk_d, k_from, bulk)
+        RT_q += sb.to_start * mm_tn(dA_qk_d, q_from, bulk)
     R_q *= sb.from_start
     R_k *= sb.from_start
     for d, ok, E in ([] if sb.to_start is not None else _diagonal_steps(G, sb)):
@@ -257,20 +269,21 @@ class Intra(NamedTuple):
 
 
 def intra_chunk(q, k, v, g, beta_row, masks: ChunkMasks, safe_gate: bool = False,
-                sb_out: list | None = None) -> Intra:
-    """q already scaled; all inputs fp32: q, k, g [C, K], v [C, V], beta_row [1, C]."""
+                sb_out: list | None = None, bulk=None, inverse=None) -> Intra:
+    """q already scaled; all inputs fp32: q, k, g [C, K], v [C, V], beta_row [1, C]. `inverse`: X saved by
+    an earlier pass over the same chunk (then A_kk feeds only dbeta, and a kernel that needs no dbeta drops it)."""
     C = q.shape[0]
     r, c = iota((C, C), 0), iota((C, C), 1)
     G = mm((r >= c).astype(f32), g)  # cumsum as a matmul: Mosaic has no cumsum; HIGHEST keeps it fp32-exact
     sb = _sub_blocks(G, safe_gate)
     if sb_out is not None:
         sb_out.append(sb)
-    A_qk, A_kk = decay_products(q, k, G, sb)
+    A_qk, A_kk = decay_products(q, k, G, sb, bulk)
     if masks.same is not None:
         A_qk = jnp.where(masks.same, A_qk, 0.0)
         A_kk = jnp.where(masks.same, A_kk, 0.0)
     beta_col = row_to_col(beta_row)
-    X = unit_lower_inverse(beta_col * A_kk)
+    X = unit_lower_inverse(beta_col * A_kk) if inverse is None else inverse
     Tm = X * beta_row
     eG = jnp.exp(G)                                  # exponent <= 0
     kg = k * eG
@@ -279,34 +292,38 @@ def intra_chunk(q, k, v, g, beta_row, masks: ChunkMasks, safe_gate: bool = False
     if masks.keep is not None:
         decay = decay * masks.keep
     return Intra(G=G, A_qk=A_qk, A_kk=A_kk, X=X, Tm=Tm, kg=kg,
-                 W=_mask_rows(mm(Tm, kg), masks.carry), U=mm(Tm, v), Qg=_mask_rows(q * eG, masks.carry),
+                 W=_mask_rows(mm(Tm, kg, bulk), masks.carry), U=mm(Tm, v, bulk), Qg=_mask_rows(q * eG, masks.carry),
                  Ko=_mask_rows(k * jnp.exp(G_last - G), masks.inlast), decay=decay)
 
 
-def chunk_forward(q, k, v, g, beta_row, S, masks: ChunkMasks = NO_MASKS, safe_gate: bool = False):
-    """(O [C, V], S' [K, V]) for incoming state S [K, V]."""
-    it = intra_chunk(q, k, v, g, beta_row, masks, safe_gate)
-    v_new = it.U - mm(it.W, S)
-    o = mm(it.Qg, S) + mm(it.A_qk, v_new)
-    return o, it.decay * S + mm_tn(it.Ko, v_new)
+def chunk_forward(q, k, v, g, beta_row, S, masks: ChunkMasks = NO_MASKS, safe_gate: bool = False, bulk=None,
+                  inverse=None):
+    """(O [C, V], S' [K, V], X [C, C]) for incoming state S [K, V] (kept fp32: only its matmul operand is
+    rounded); X is the chunk's WY inverse (given as `inverse` when saved, else computed)."""
+    it = intra_chunk(q, k, v, g, beta_row, masks, safe_gate, bulk=bulk, inverse=inverse)
+    v_new = it.U - mm(it.W, S, bulk)
+    o = mm(it.Qg, S, bulk) + mm(it.A_qk, v_new, bulk)
+    return o, it.decay * S + mm_tn(it.Ko, v_new, bulk), it.X
 
 
-def chunk_backward(q, k, v, g, beta_row, S, dO, dS_next, masks: ChunkMasks = NO_MASKS, safe_gate: bool = False):
-    """Recompute the chunk from its inputs and incoming state S; return (dq, dk, dv, dg, dbeta_row, dS)."""
+def chunk_backward(q, k, v, g, beta_row, S, dO, dS_next, masks: ChunkMasks = NO_MASKS, safe_gate: bool = False,
+                   bulk=None, inverse=None):
+    """Recompute the chunk from its inputs, incoming state S and (if saved) its WY inverse; return
+    (dq, dk, dv, dg, dbeta_row, dS)."""
     C, K = q.shape
     sbs = []
-    it = intra_chunk(q, k, v, g, beta_row, masks, safe_gate, sb_out=sbs)
+    it = intra_chunk(q, k, v, g, beta_row, masks, safe_gate, sb_out=sbs, bulk=bulk, inverse=inverse)
     sb = sbs[0]
-    v_new = it.U - mm(it.W, S)
-    d_vnew = mm_tn(it.A_qk, dO) + mm(it.Ko, dS_next)
-    dS = mm_tn(it.Qg, dO) - mm_tn(it.W, d_vnew) + it.decay * dS_next
+    v_new = it.U - mm(it.W, S, bulk)
+    d_vnew = mm_tn(it.A_qk, dO, bulk) + mm(it.Ko, dS_next, bulk)
+    dS = mm_tn(it.Qg, dO, bulk) - mm_tn(it.W, d_vnew, bulk) + it.decay * dS_next
 
     causal_incl = iota((C, C), 0) >= iota((C, C), 1)
-    dA_qk = mm_nt(dO, v_new)
+    dA_qk = mm_nt(dO, v_new, bulk)
     dA_qk = jnp.where(causal_incl if masks.same is None else causal_incl & masks.same, dA_qk, 0.0)
-    dQg = mm_nt(dO, S)                                          # [C, K]
-    dKo = mm_nt(v_new, dS_next)                                 # [C, K]
-    dW = _mask_rows(-mm_nt(d_vnew, S), masks.carry)
+    dQg = mm_nt(dO, S, bulk)                                    # [C, K]
+    dKo = mm_nt(v_new, dS_next, bulk)                           # [C, K]
+    dW = _mask_rows(-mm_nt(d_vnew, S, bulk), masks.carry)
 
     eG = jnp.exp(it.G)
     dq = _mask_rows(dQg * eG, masks.carry)
@@ -319,21 +336,21 @@ def chunk_backward(q, k, v, g, beta_row, S, dO, dS_next, masks: ChunkMasks = NO_
     dG_last = jnp.sum(dKo_Ko, axis=0, keepdims=True) + col_to_row(
         it.decay * jnp.sum(S * dS_next, axis=1, keepdims=True))
 
-    dTm = mm_nt(dW, it.kg) + mm_nt(d_vnew, v)
-    dkg = mm_tn(it.Tm, dW)
-    dv = mm_tn(it.Tm, d_vnew)
+    dTm = mm_nt(dW, it.kg, bulk) + mm_nt(d_vnew, v, bulk)
+    dkg = mm_tn(it.Tm, dW, bulk)
+    dv = mm_tn(it.Tm, d_vnew, bulk)
     dk = dk + dkg * eG
     dG = dG + dkg * it.kg
 
     dX = dTm * beta_row
     dbeta_row = jnp.sum(dTm * it.X, axis=0, keepdims=True)
     strict = iota((C, C), 0) > iota((C, C), 1)
-    dL = -mm_nt(mm_tn(it.X, dX), it.X)
+    dL = -mm_nt(mm_tn(it.X, dX), it.X)   # the inverse's gradient: fp32 like the inverse
     dL = jnp.where(strict if masks.same is None else strict & masks.same, dL, 0.0)
     dbeta_row = dbeta_row + col_to_row(jnp.sum(dL * it.A_kk, axis=1, keepdims=True))
     dA_kk = row_to_col(beta_row) * dL
 
-    dq_p, dk_p, dG_p = decay_product_grads(dA_qk, dA_kk, q, k, it.G, sb)
+    dq_p, dk_p, dG_p = decay_product_grads(dA_qk, dA_kk, q, k, it.G, sb, bulk)
     dq = dq + dq_p
     dk = dk + dk_p
     dG = dG + dG_p + jnp.where(iota((C, 1), 0) == C - 1, dG_last, 0.0)
@@ -348,11 +365,12 @@ PADDING_GATE_RAW = -1e30  # raw gate of padding/filler tokens: both gate forms m
 
 
 class Fusion(NamedTuple):
-    """Static choice of what the kernel computes from raw inputs (see `gate.py` for the formulas)."""
+    """Static choice of what the kernel computes from raw inputs (see `gate.py` for the formulas), and how."""
     # None: g is the log-decay; "softplus": -a softplus(g + dt); "lower_bound": lb sigmoid(a (g + dt))
     gate: str | None = None
     lower_bound: float = -5.0
     qk_l2norm: bool = False
+    bulk: str | None = None   # operand dtype of the bulk matmuls ("bfloat16"), None = fp32 HIGHEST (policy above)
 
 
 def l2norm_rows(x):

@@ -1,9 +1,11 @@
 """Plumbing shared by the Pallas KDA kernels: interpret-mode choice, grid settings, per-chunk tables,
 tile loading with the fused prologue (gate, q/k L2 norm, padding), and the per-step cost model.
 
-Per-token scalars (beta, segment ids) travel as lane-dense tables `[..., NT, C]` whose whole block stays
-in VMEM for a (row, head); a kernel step picks its chunk's row with a one-hot sublane reduction (no
-dynamic indexing). A `[C, 1]` column layout would pad every token to 128 lanes in HBM and VMEM.
+Per-token scalars (beta, segment ids) travel as lane-dense tables `[..., NT8, C]` (NT rounded up to a
+multiple of 8) fetched 8 chunks per block (`TABLE_ROWS`: the smallest second-minor block Mosaic takes),
+so VMEM and per-step work stay O(chunk) at any T; a kernel step picks its chunk's row n % 8 with a
+one-hot sublane reduction over 8 rows (no dynamic indexing). A `[C, 1]` column layout would pad every
+token to 128 lanes in HBM and VMEM. `vmem_limit_bytes` comes from `vmem_budget` of the actual blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -38,19 +41,68 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return not on_tpu
 
 
-def compiler_params(*semantics: str):
-    return pltpu.CompilerParams(dimension_semantics=tuple(semantics))
+TABLE_ROWS = 8            # chunks per table block
+VMEM_DEFAULT = 16 * 2**20  # v5e's default scoped VMEM limit (v6e, v7x: 32 MiB)
+VMEM_CAP = 64 * 2**20      # v7x's VMEM per TensorCore (v5e, v6e: 128 MiB)
+CHUNK_TEMPS = 48           # live fp32 [C, max(C, K, V)] temporaries of the chunk math (estimate, backward)
+
+
+def table_rows(n_chunks: int) -> int:
+    """Rows of a per-chunk table: NT rounded up to whole blocks."""
+    return -(-n_chunks // TABLE_ROWS) * TABLE_ROWS
+
+
+def blocks_of(specs, arrays) -> list:
+    """(block shape, dtype) of each BlockSpec and the array it tiles (what `vmem_budget` counts)."""
+    return [(spec.block_shape, x.dtype) for spec, x in zip(specs, arrays)]
+
+
+def vmem_budget(blocks, scratch, C: int, K: int, V: int) -> int:
+    """VMEM bytes of one kernel: every (block shape, dtype) of its in/out BlockSpecs double-buffered by the
+    pipeline, the scratch [(shape, dtype)], and room for the chunk math's temporaries."""
+    size = lambda shape, dtype: math.prod(d for d in shape if d is not None) * jnp.dtype(dtype).itemsize
+    return (2 * sum(size(s, d) for s, d in blocks) + sum(size(s, d) for s, d in scratch)
+            + CHUNK_TEMPS * C * max(C, K, V) * 4)
+
+
+def vmem_limit(budget: int) -> int:
+    """The scoped VMEM limit for a budget: 1.5x headroom, never below the default, an error above the cap."""
+    if budget > VMEM_CAP:
+        raise ValueError(f"Pallas KDA kernel needs ~{budget / 2**20:.1f} MiB of VMEM, over {VMEM_CAP >> 20} MiB;"
+                         " use a smaller chunk_size or head dim")
+    return min(VMEM_CAP, max(VMEM_DEFAULT, -(-3 * budget // 2 // 2**20) * 2**20))
+
+
+def compiler_params(semantics, in_specs, args, out_specs, out_shape, C: int, K: int, V: int, heads: int = 1):
+    """Mosaic params: dimension semantics and the VMEM limit from the kernel's blocks and its [heads, K, V]
+    fp32 state scratch (see `vmem_budget`; temporaries counted per head, as if no head's were freed)."""
+    blocks = blocks_of(in_specs, args) + blocks_of(jax.tree.leaves(out_specs), jax.tree.leaves(out_shape))
+    budget = vmem_budget(blocks, [((heads, K, V), f32)], C, K, V) + (heads - 1) * vmem_budget([], [], C, K, V)
+    return pltpu.CompilerParams(dimension_semantics=tuple(semantics), vmem_limit_bytes=vmem_limit(budget))
+
+
+MAX_HEADS_PER_STEP = 4
+
+
+def heads_per_step(B: int, H: int) -> int:
+    """Heads one grid step processes: the most (up to 4) dividing H that still leave the leading parallel axis
+    B * H / heads >= 2, so both TensorCores of a megacore chip get work."""
+    for heads in range(min(H, MAX_HEADS_PER_STEP), 0, -1):
+        if H % heads == 0 and (B * H // heads >= 2 or heads == 1):
+            return heads
+    return 1
 
 
 def table_row(table, n):
-    """Row n of an in-kernel table [NT, C] as [1, C]; n is a traced scalar."""
-    return jnp.sum(jnp.where(iota(table.shape, 0) == n, table, 0.0), axis=0, keepdims=True)
+    """Chunk n's row of an in-kernel table block [TABLE_ROWS, C] as [1, C]; n is a traced scalar."""
+    picked = iota(table.shape, 0) == jax.lax.rem(n, TABLE_ROWS)
+    return jnp.sum(jnp.where(picked, table, 0.0), axis=0, keepdims=True)
 
 
 def set_table_row(table_ref, n, row):
-    """table_ref[n, :] = row, as a full-block select (a dynamic sublane store avoided on purpose)."""
-    table_ref[...] = jnp.where(iota(table_ref.shape, 0) == n, jnp.broadcast_to(row, table_ref.shape),
-                               table_ref[...])
+    """Chunk n's row of a table block = row, as a full-block select (a dynamic sublane store avoided on purpose)."""
+    picked = iota(table_ref.shape, 0) == jax.lax.rem(n, TABLE_ROWS)
+    table_ref[...] = jnp.where(picked, jnp.broadcast_to(row, table_ref.shape), table_ref[...])
 
 
 def store_chunk_grads(refs, n, dq, dk, dv, dg, dbeta_row, d_gate):
@@ -123,10 +175,25 @@ def load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion,
     return Tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion, real_row)
 
 
-def fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel, safe_gate):
+PRECISIONS = (None, "default", "highest")
+
+
+def bulk_dtype(precision: str | None, dtype) -> str | None:
+    """Operand dtype of the kernels' bulk matmuls (`pallas_chunk`'s policy): "default" = bf16 operands with
+    fp32 accumulation, "highest" = fp32 at HIGHEST everywhere, None = bf16 for 16-bit inputs, else fp32."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    if precision == "highest" or (precision is None and jnp.dtype(dtype).itemsize >= 4):
+        return None
+    return "bfloat16"
+
+
+def fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel, safe_gate,
+                  precision=None, dtype=f32):
     """(Fusion, gate table [H, 2, K] = (dt_bias, exp(A_log)) fp32, safe_gate) for the kernels' prologue."""
+    bulk = bulk_dtype(precision, dtype)
     if not use_gate_in_kernel:
-        return chunk.Fusion(qk_l2norm=bool(use_qk_l2norm_in_kernel)), jnp.zeros((H, 2, K), f32), safe_gate
+        return chunk.Fusion(qk_l2norm=bool(use_qk_l2norm_in_kernel), bulk=bulk), jnp.zeros((H, 2, K), f32), safe_gate
     if lower_bound is None and A_log is None:
         raise ValueError("the softplus gate needs A_log; pass A_log or set lower_bound for the safe gate")
     if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
@@ -140,7 +207,7 @@ def fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_qk_
     table = jnp.stack([dt, jnp.broadcast_to(a[:, None], (H, K))], axis=1)
     fusion = chunk.Fusion(gate="softplus" if lower_bound is None else "lower_bound",
                           lower_bound=-5.0 if lower_bound is None else float(lower_bound),
-                          qk_l2norm=bool(use_qk_l2norm_in_kernel))
+                          qk_l2norm=bool(use_qk_l2norm_in_kernel), bulk=bulk)
     # The lower-bound gate keeps g >= lower_bound >= -5: the sub-block factoring cannot overflow.
     return fusion, table, bool(safe_gate) or lower_bound is not None
 
@@ -150,10 +217,23 @@ TRANSCENDENTAL = {"exp", "exp2", "log", "log1p", "logistic", "rsqrt", "tanh", "s
 NOT_COMPUTE = {"get", "swap", "addupdate", "program_id", "num_programs"}   # VMEM loads/stores, grid queries
 
 
+MXU_PASSES = {jax.lax.Precision.HIGHEST: 6, jax.lax.Precision.HIGH: 3}   # bf16 passes of an fp32 product
+
+
+def mxu_passes(eqn) -> int:
+    """bf16 MXU passes of one dot_general: 1 for 16-bit operands, else by precision (fp32 HIGHEST ~ 6)."""
+    if all(jnp.dtype(v.aval.dtype).itemsize <= 2 for v in eqn.invars):
+        return 1
+    precision = eqn.params.get("precision")
+    precision = precision[0] if isinstance(precision, tuple) else precision
+    return MXU_PASSES.get(precision, 1)
+
+
 def jaxpr_cost(jaxpr) -> dict:
-    """{'mxu_flops', 'vpu_ops', 'transcendentals'} of a jaxpr: 2*M*N*K per dot_general, one op per output
-    element of every other array-valued equation; cond branches count their most expensive branch."""
-    cost = {"mxu_flops": 0, "vpu_ops": 0, "transcendentals": 0}
+    """{'mxu_flops', 'mxu_pass_flops', 'vpu_ops', 'transcendentals'} of a jaxpr: 2*M*N*K per dot_general
+    (times its bf16 MXU passes for 'mxu_pass_flops'), one op per output element of every other array-valued
+    equation; cond branches count their most expensive branch."""
+    cost = {"mxu_flops": 0, "mxu_pass_flops": 0, "vpu_ops": 0, "transcendentals": 0}
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         subs = [p.jaxpr if hasattr(p, "jaxpr") else p for p in eqn.params.values()
@@ -163,7 +243,9 @@ def jaxpr_cost(jaxpr) -> dict:
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             lhs_shape = eqn.invars[0].aval.shape
             contracted = math.prod(lhs_shape[d] for d in lhs_contract)
-            cost["mxu_flops"] += 2 * math.prod(eqn.outvars[0].aval.shape) * contracted
+            flops = 2 * math.prod(eqn.outvars[0].aval.shape) * contracted
+            cost["mxu_flops"] += flops
+            cost["mxu_pass_flops"] += flops * mxu_passes(eqn)
         elif branches:
             costs = [jaxpr_cost(b.jaxpr) for b in branches]
             for key in cost:
@@ -180,19 +262,21 @@ def jaxpr_cost(jaxpr) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def step_cost(kind: str, C: int, K: int, V: int, safe_gate: bool, masked: bool, fusion: chunk.Fusion) -> dict:
-    """Cost of one grid step of a `kind` in {forward, states, backward} kernel, from the traced chunk math."""
+    """Cost of one chunk of one head in a `kind` (forward, states, backward) kernel, from the traced chunk math."""
     t = lambda *shape: jax.ShapeDtypeStruct(shape, f32)
 
-    def step(q, k, v, g, beta_row, S, dO, dS, gate_params, ids_row, prev_last):
+    def step(q, k, v, g, beta_row, S, dO, dS, gate_params, ids_row, prev_last, X):
         masks = chunk.segment_masks(ids_row, prev_last) if masked else chunk.NO_MASKS
         qn, kn, g, saved = chunk.prologue(q, k, g, gate_params, fusion)
-        if kind != "backward":
-            return chunk.chunk_forward(qn, kn, v, g, beta_row, S, masks, safe_gate)
-        grads = chunk.chunk_backward(qn, kn, v, g, beta_row, S, dO, dS, masks, safe_gate)
+        if kind == "forward":   # computes (and saves) the WY inverse
+            return chunk.chunk_forward(qn, kn, v, g, beta_row, S, masks, safe_gate, fusion.bulk)
+        if kind == "states":    # the saved inverse in, only the state out
+            return chunk.chunk_forward(qn, kn, v, g, beta_row, S, masks, safe_gate, fusion.bulk, inverse=X)[1]
+        grads = chunk.chunk_backward(qn, kn, v, g, beta_row, S, dO, dS, masks, safe_gate, fusion.bulk, inverse=X)
         return chunk.prologue_backward(qn, kn, grads[0], grads[1], grads[3], gate_params, saved, fusion), grads
     jaxpr = jax.make_jaxpr(step)(t(C, K), t(C, K), t(C, V), t(C, K), t(1, C), t(K, V), t(C, V), t(K, V), t(2, K),
-                                 t(1, C), t(1, 1))
-    return jaxpr_cost(jaxpr.jaxpr)
+                                 t(1, C), t(1, 1), t(C, C))
+    return jaxpr_cost(pe.dce_jaxpr(jaxpr.jaxpr, [True] * len(jaxpr.out_avals))[0])   # what is computed for the outputs
 
 
 def cost_estimate(kind, steps, C, K, V, safe_gate, masked, fusion, args, out_shapes) -> pl.CostEstimate:

@@ -15,10 +15,10 @@ Final states are per slot `[max_segs + 1, H, K, V]` (FLA's varlen output), writt
 index_map `slot[n]`; the wrapper reads each row's final state from the slot of its last segment.
 
 Tiles are `(C, K)` of `[T_new, H*K]` (K, V multiples of 128) or `[H, T_new, K]`. Kernels (grid `(H, NT)`,
-NT sequential) mirror `pallas_segment`: forward
-(o + final slot states), states (state entering every chunk, for the backward), backward (reverse
-chunk order, dstate in VMEM scratch, dh0 per slot at each slot's first chunk). The chunk math is
-`pallas_chunk` without segment masks.
+H "parallel", NT sequential; one head per step) mirror `pallas_segment`: forward (o + final slot states,
+and under differentiation each chunk's WY inverse), states (state entering every chunk from the saved
+inverses, for the backward), backward (reverse chunk order, dstate in VMEM scratch, dh0 per slot at each
+slot's first chunk). The chunk math is `pallas_chunk` without segment masks.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lingpack.kernels.kda import api, segments
+from lingpack.kernels.kda import api, pallas_shard, segments
 from lingpack.kernels.kda import pallas_chunk as chunk
-from lingpack.kernels.kda.pallas_common import (check_head_dims, compiler_params, cost_estimate, fusion_inputs,
-                                                load_tiles, resolve_interpret, store_chunk_grads)
+from lingpack.kernels.kda.pallas_common import (TABLE_ROWS, check_head_dims, compiler_params,
+                                                cost_estimate, fusion_inputs, load_tiles, resolve_interpret,
+                                                store_chunk_grads, table_rows)
 
 f32 = jnp.float32
 FIRST, LAST = 1, 2
@@ -67,13 +68,12 @@ def chunk_tables(cu_seqlens, slot_init_row, n_rows: int, n_chunks: int, chunk_si
 
 
 def _forward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, *refs, scale,
-                    safe_gate, fusion, emit_states):
+                    safe_gate, fusion, emit):
+    """emit as in `pallas_segment`: "output", "saving" (+ each chunk's WY inverse), "states" (inverses in)."""
     del slot_ref, init_row_ref  # used by the index_maps only
     gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
-    if emit_states:
-        states_ref, state_scr = refs
-    else:
-        o_ref, final_ref, state_scr = refs
+    inv_in = refs[0] if emit == "states" else None
+    outs, state_scr = refs[1 if emit == "states" else 0:-1], refs[-1]
     n = pl.program_id(1)
 
     @pl.when((flags_ref[n] & FIRST) != 0)
@@ -82,17 +82,20 @@ def _forward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_re
 
     S = state_scr[...]
     tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
-    o, S_next = chunk.chunk_forward(*tiles.inputs, S, chunk.NO_MASKS, safe_gate)
+    o, S_next, X = chunk.chunk_forward(*tiles.inputs, S, chunk.NO_MASKS, safe_gate, fusion.bulk,
+                                       inverse=None if inv_in is None else inv_in[...])
     state_scr[...] = S_next
-    if emit_states:
-        states_ref[...] = S
-    else:
-        o_ref[...] = o.astype(o_ref.dtype)
-        final_ref[...] = S_next   # the block of this chunk's slot; the slot's last chunk writes last
+    if emit == "states":
+        outs[0][...] = S
+        return
+    outs[0][...] = o.astype(outs[0].dtype)
+    outs[1][...] = S_next   # the block of this chunk's slot; the slot's last chunk writes last
+    if emit == "saving":
+        outs[2][...] = X
 
 
-def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, states_ref, do_ref,
-                     dfinal_ref, *refs, scale, safe_gate, fusion):
+def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, states_ref, inv_ref,
+                     do_ref, dfinal_ref, *refs, scale, safe_gate, fusion):
     del slot_ref, init_row_ref
     gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
     dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, *refs = refs
@@ -104,7 +107,7 @@ def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_r
     @pl.when(step == 0)
     def _():
         dstate_scr[...] = jnp.zeros(dstate_scr.shape, f32)
-        dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, dbeta_ref.dtype)
+        dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, dbeta_ref.dtype)   # the last block's rows past NT stay 0
         if dgate_ref is not None:
             dgate_ref[...] = jnp.zeros(dgate_ref.shape, dgate_ref.dtype)
 
@@ -112,7 +115,7 @@ def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_r
     dS_next = dstate_scr[...] + is_last * dfinal_ref[...]
     tiles = load_tiles(q_ref, k_ref, v_ref, g_ref, beta_ref, gate_ref, n, scale, fusion)
     grads = chunk.chunk_backward(*tiles.inputs, states_ref[...], do_ref[...].astype(f32), dS_next, chunk.NO_MASKS,
-                                 safe_gate)
+                                 safe_gate, fusion.bulk, inverse=inv_ref[...])
     dq, dk, dv, dg, dbeta_row, dS, d_gate = tiles.backward(*grads)
     store_chunk_grads((dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dgate_ref), n, dq, dk, dv, dg, dbeta_row, d_gate)
     is_first = (flags & FIRST) != 0
@@ -136,58 +139,67 @@ def _specs(H, NT, C, K, V, heads_minor, reverse=False):
         tile = lambda d: pl.BlockSpec((None, C, d), lambda h, n, *_: (h, chunk_of(n), 0))
     return dict(
         tile=tile,
-        beta=pl.BlockSpec((None, NT, C), lambda h, n, *_: (h, 0, 0)),
+        beta=pl.BlockSpec((None, TABLE_ROWS, C), lambda h, n, *_: (h, jax.lax.div(chunk_of(n), TABLE_ROWS), 0)),
         slot_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, *_: (slot[chunk_of(n)], h, 0, 0)),
         row_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, flags, row: (row[chunk_of(n)], h, 0, 0)),
         per_chunk_state=pl.BlockSpec((None, None, K, V), lambda h, n, *_: (h, chunk_of(n), 0, 0)),
+        inverse=pl.BlockSpec((None, None, C, C), lambda h, n, *_: (h, chunk_of(n), 0, 0)),
         gate=pl.BlockSpec((None, 2, K), lambda h, n, *_: (h, 0, 0)),
     )
 
 
 def _dims(q, v, beta_tab):
     """(H, NT, C, K, V, heads_minor) of the kernel operands."""
-    H, NT, C = beta_tab.shape
+    H, _, C = beta_tab.shape
     heads_minor = q.ndim == 2
+    NT = q.shape[-2] // C
     return H, NT, C, (q.shape[-1] // H if heads_minor else q.shape[-1]), (
         v.shape[-1] // H if heads_minor else v.shape[-1]), heads_minor
 
 
-def _forward_call(q, k, v, g, beta_tab, tables, h0_rows, gate_tab, n_slots, *, scale, safe_gate, fusion, interpret,
-                  emit_states):
+def _forward_call(q, k, v, g, beta_tab, tables, h0_rows, gate_tab, n_slots, inverse=None, *, scale, safe_gate, fusion,
+                  interpret, emit):
     H, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
     s = _specs(H, NT, C, K, V, heads_minor)
-    if emit_states:
-        out_shape, out_specs = jax.ShapeDtypeStruct((H, NT, K, V), f32), s["per_chunk_state"]
-    else:
-        out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((n_slots, H, K, V), f32))
-        out_specs = (s["tile"](V), s["slot_state"])
     in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["row_state"]]
     args = [q, k, v, g, beta_tab, h0_rows]
     if fusion.gate:
         in_specs.append(s["gate"])
         args.append(gate_tab)
+    if emit == "states":
+        in_specs.append(s["inverse"])
+        args.append(inverse)
+        out_shape, out_specs = [jax.ShapeDtypeStruct((H, NT, K, V), f32)], [s["per_chunk_state"]]
+    else:
+        out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((n_slots, H, K, V), f32)]
+        out_specs = [s["tile"](V), s["slot_state"]]
+        if emit == "saving":
+            out_shape.append(jax.ShapeDtypeStruct((H, NT, C, C), f32))
+            out_specs.append(s["inverse"])
+    out_shape, out_specs = tuple(out_shape), tuple(out_specs)
     grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=(H, NT), in_specs=in_specs,
                                              out_specs=out_specs, scratch_shapes=[pltpu.VMEM((K, V), f32)])
     return pl.pallas_call(
-        functools.partial(_forward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion, emit_states=emit_states),
-        grid_spec=grid_spec, out_shape=out_shape, compiler_params=compiler_params(*SEMANTICS),
-        cost_estimate=cost_estimate("states" if emit_states else "forward", H * NT, C, K, V, safe_gate, False,
+        functools.partial(_forward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion, emit=emit),
+        grid_spec=grid_spec, out_shape=out_shape,
+        compiler_params=compiler_params(SEMANTICS, in_specs, args, out_specs, out_shape, C, K, V),
+        cost_estimate=cost_estimate("states" if emit == "states" else "forward", H * NT, C, K, V, safe_gate, False,
                                     fusion, args, out_shape),
-        interpret=interpret, name="kda_varlen_states" if emit_states else "kda_varlen_fwd",
+        interpret=interpret, name="kda_varlen_states" if emit == "states" else "kda_varlen_fwd",
     )(*tables, *args)
 
 
-def _backward_call(q, k, v, g, beta_tab, tables, states, do, dfinal_slots, gate_tab, n_rows, *, scale, safe_gate,
-                   fusion, interpret):
+def _backward_call(q, k, v, g, beta_tab, tables, states, inverse, do, dfinal_slots, gate_tab, n_rows, *, scale,
+                   safe_gate, fusion, interpret):
     H, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
     s = _specs(H, NT, C, K, V, heads_minor, reverse=True)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
                  jax.ShapeDtypeStruct(beta_tab.shape, f32), jax.ShapeDtypeStruct((n_rows, H, K, V), f32)]
     out_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["row_state"]]
-    in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["per_chunk_state"], s["tile"](V),
-                s["slot_state"]]
-    args = [q, k, v, g, beta_tab, states, do, dfinal_slots]
+    in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["per_chunk_state"], s["inverse"],
+                s["tile"](V), s["slot_state"]]
+    args = [q, k, v, g, beta_tab, states, inverse, do, dfinal_slots]
     if fusion.gate:
         in_specs.append(s["gate"])
         args.append(gate_tab)
@@ -197,7 +209,8 @@ def _backward_call(q, k, v, g, beta_tab, tables, states, do, dfinal_slots, gate_
                                              out_specs=tuple(out_specs), scratch_shapes=[pltpu.VMEM((K, V), f32)])
     return pl.pallas_call(
         functools.partial(_backward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion),
-        grid_spec=grid_spec, out_shape=tuple(out_shape), compiler_params=compiler_params(*SEMANTICS),
+        grid_spec=grid_spec, out_shape=tuple(out_shape),
+        compiler_params=compiler_params(SEMANTICS, in_specs, args, out_specs, out_shape, C, K, V),
         cost_estimate=cost_estimate("backward", H * NT, C, K, V, safe_gate, False, fusion, args, out_shape),
         interpret=interpret, name="kda_varlen_bwd",
     )(*tables, *args)
@@ -206,28 +219,31 @@ def _backward_call(q, k, v, g, beta_tab, tables, states, do, dfinal_slots, gate_
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14))
 def varlen_core(q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab, n_slots, scale, safe_gate, fusion,
                 interpret):
-    """Kernel layout: q, k, g [T_new, H*K] (or [H, T_new, K]), v likewise, beta_tab [H, NT, C] fp32, tables int32 [NT],
+    """Kernel layout: q, k, g [T_new, H*K] (or [H, T_new, K]), v likewise, beta_tab [H, NT8, C] fp32, tables int32 [NT],
     h0_rows [B + 1, H, K, V] fp32 (block B zeros), gate_tab [H, 2, K] (fused gate only)
     -> (o in v's layout, final_slots [n_slots, H, K, V] fp32)."""
     return _forward_call(q, k, v, g, beta_tab, ChunkTables(slot, flags, init_row), h0_rows, gate_tab, n_slots,
-                         scale=scale, safe_gate=safe_gate, fusion=fusion, interpret=interpret, emit_states=False)
+                         scale=scale, safe_gate=safe_gate, fusion=fusion, interpret=interpret, emit="output")
 
 
 def _core_fwd(q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab, n_slots, scale, safe_gate, fusion,
               interpret):
-    out = varlen_core(q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab, n_slots, scale, safe_gate,
-                      fusion, interpret)
-    return out, (q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab)
+    # Each chunk's WY inverse is computed once per training step and kept for the states and gradient kernels.
+    o, final_slots, inverse = _forward_call(q, k, v, g, beta_tab, ChunkTables(slot, flags, init_row), h0_rows,
+                                            gate_tab, n_slots, scale=scale, safe_gate=safe_gate, fusion=fusion,
+                                            interpret=interpret, emit="saving")
+    return (o, final_slots), (q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab, inverse)
 
 
 def _core_bwd(n_slots, scale, safe_gate, fusion, interpret, residuals, cotangents):
-    q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab = residuals
+    q, k, v, g, beta_tab, slot, flags, init_row, h0_rows, gate_tab, inverse = residuals
     do, dfinal_slots = cotangents
     static = dict(scale=scale, safe_gate=safe_gate, fusion=fusion, interpret=interpret)
     tables = ChunkTables(slot, flags, init_row)
-    states = _forward_call(q, k, v, g, beta_tab, tables, h0_rows, gate_tab, n_slots, emit_states=True, **static)
+    (states,) = _forward_call(q, k, v, g, beta_tab, tables, h0_rows, gate_tab, n_slots, inverse, emit="states",
+                              **static)
     dq, dk, dv, dg, dbeta, dh0_rows, *dgate = _backward_call(
-        q, k, v, g, beta_tab, tables, states, do.astype(v.dtype), dfinal_slots.astype(f32), gate_tab,
+        q, k, v, g, beta_tab, tables, states, inverse, do.astype(v.dtype), dfinal_slots.astype(f32), gate_tab,
         h0_rows.shape[0], **static)
     # Rows without a segment never reset from their block: it is unwritten (the wrapper masks it).
     return (dq, dk, dv, dg, dbeta, None, None, None, dh0_rows, dgate[0] if dgate else jnp.zeros_like(gate_tab))
@@ -260,7 +276,7 @@ def aligned_layout(segment_ids_BT, max_segs: int, chunk_size: int) -> AlignedLay
 
 def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale, initial_state_BHKV,
                       max_segs, chunk_size=64, safe_gate=False, interpret=None, use_gate_in_kernel=False, A_log=None,
-                      dt_bias=None, lower_bound=None, use_qk_l2norm_in_kernel=False):
+                      dt_bias=None, lower_bound=None, use_qk_l2norm_in_kernel=False, precision=None):
     """`api.chunk_kda(impl="pallas_varlen")`: same arguments and semantics as `chunked.chunked_aligned`; the
     fused gate / L2 norm options as in `pallas_segment.pallas_segment_kda`."""
     interpret = resolve_interpret(interpret)
@@ -268,7 +284,7 @@ def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_B
     V = v_BTHV.shape[-1]
     check_head_dims(K, V, chunk_size)
     fusion, gate_tab, safe_gate = fusion_inputs(H, K, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                                                use_qk_l2norm_in_kernel, safe_gate)
+                                                use_qk_l2norm_in_kernel, safe_gate, precision, v_BTHV.dtype)
     total = B * T
     layout = aligned_layout(segment_ids_BT, max_segs, chunk_size)
     plan, t_new, n_chunks = layout.plan, layout.t_new, layout.n_chunks
@@ -287,6 +303,7 @@ def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_B
     q, k, v = [aligned(x) for x in (q_BTHK, k_BTHK, v_BTHV)]
     g = aligned(g_BTHK, chunk.PADDING_GATE_RAW if fusion.gate else 0.0)
     beta_tab = aligned(beta_BTH.astype(f32), heads_minor=False).reshape(H, n_chunks, chunk_size)   # fp32
+    beta_tab = jnp.pad(beta_tab, [(0, 0), (0, table_rows(n_chunks) - n_chunks), (0, 0)])
 
     has_segment = plan.row_last_seg >= 0
     h0 = initial_state_BHKV.astype(f32)
@@ -301,4 +318,4 @@ def pallas_varlen_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_B
     return jnp.where(real[..., None, None], o_BTHV, 0), final
 
 
-api.register("pallas_varlen", pallas_varlen_kda, needs_max_segs=True, fuses_gate=True)
+api.register("pallas_varlen", pallas_shard.over_mesh(pallas_varlen_kda), needs_max_segs=True, fuses_gate=True)

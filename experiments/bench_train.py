@@ -17,6 +17,7 @@ AdamW, expert-bias update) on one synthetic packed batch (log-normal document le
   how often a step runs it; also XLA's FLOP count per component. With `remat` the step recomputes each
   layer's forward once more, which the isolated timings do not include.
 * `--moe-ab`: one MoE layer with `ragged_dot` against the tiled grouped matmul, interleaved.
+* `--hlo-ops`: operations in the lowered step, scanned and unrolled: what XLA must compile, free of load.
 Every number is a ratio or a time within this run on this machine; absolute times depend on the load.
 """
 
@@ -214,6 +215,16 @@ def moe_ab(cfg, B: int, T: int, repeats: int) -> dict:
     return {"seconds": times, "xla_gflop": flops, "ragged_over_tiled": times["ragged_dot"] / times["tiled"]}
 
 
+def hlo_ops(cfg, B: int, T: int) -> int:
+    """Operations in the lowered (StableHLO) train step, traced on abstract state: compile work, load-free."""
+    build = lambda: Ling3(cfg, rngs=nnx.Rngs(0))
+    optim = OptimConfig(decay_steps=1000)
+    state = jax.eval_shape(init_fn(build, optim, 0))
+    step = make_train_step(ModelDef.from_constructor(build, cfg), LossConfig(), optim, micro_batches=1)
+    text = step.lower(state, packed_batch(B, T, cfg.vocab_size)).as_text()
+    return sum(" = " in line for line in text.splitlines())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 repeats, no breakdown")
@@ -222,6 +233,7 @@ def main():
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a top-level model key for every model (e.g. remat=false)")
     parser.add_argument("--moe-ab", action="store_true", help="only the MoE grouped-matmul A/B per model")
+    parser.add_argument("--hlo-ops", action="store_true", help="only count the lowered step's ops, scanned and unrolled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     repeats = 2 if args.quick else 5
@@ -232,6 +244,12 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         cfg, B, T = model_config(name, **extra)
+        if args.hlo_ops:
+            result["models"][name] = row = {scan: hlo_ops(dataclasses.replace(cfg, scan_layers=scan), B, T)
+                                            for scan in (True, False)}
+            print(f"{name:8s} lowered step ops: scanned {row[True]}, unrolled {row[False]}", flush=True)
+            out.write_text(json.dumps(result, indent=2))
+            continue
         if args.moe_ab:
             result["models"][name] = row = moe_ab(cfg, B, T, repeats)
             print(f"{name:8s} MoE layer fwd+bwd: {row['seconds']} s, XLA GFLOP {row['xla_gflop']}", flush=True)

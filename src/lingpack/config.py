@@ -13,6 +13,7 @@ import types
 import typing
 
 from lingpack.data.config import DataConfig
+from lingpack.kernels.kda import api as kda_api
 from lingpack.models.ling3 import Ling3Config, config_from_dict
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
 
@@ -37,7 +38,10 @@ class KernelConfig:
     def __post_init__(self):
         if self.name not in KERNELS:
             raise ConfigError(f"kernel.name={self.name!r} is not one of {KERNELS}")
-        if self.name in KERNELS_WITH_MAX_SEGS and (self.max_segs is None or self.max_segs < 1):
+        if self.max_segs is not None and self.max_segs < 1:
+            raise ConfigError(f"kernel.max_segs={self.max_segs} must be >= 1: it is the number of documents a micro-batch"
+                              " may hold (`python -m lingpack.data.stats` recommends one)")
+        if self.name in KERNELS_WITH_MAX_SEGS and self.max_segs is None:
             raise ConfigError(f"kernel={self.name} packs documents into kernel.max_segs slots: set kernel.max_segs"
                               " >= the most documents in a micro-batch (`python -m lingpack.data.stats` recommends one)")
         if self.chunk_size < 16 or self.chunk_size % 16:
@@ -52,7 +56,7 @@ class LoggerConfig:
     group: str | None = None
     job_type: str = "train"
     tags: tuple[str, ...] = ()
-    console_every: int = 5
+    console_every: int = 0   # full-metrics console line every N steps; 0 = off (the loop logs one line per step)
 
     def __post_init__(self):
         if self.kind not in LOGGER_KINDS:
@@ -138,7 +142,37 @@ def _data_config(values: dict, seed_dir: str) -> DataConfig:
     # "bundled" / "bundled:scene": the bundled corpus (one document per speech / per scene), tokenized on first use
     paths = [_bundled(p, cache_dir) if str(p).startswith("bundled") else p for p in paths]
     values["paths"] = tuple(paths)
+    if values.get("source", "megatron") == "megatron" and paths:
+        _follow_tokenizer_record(values)
     return make(DataConfig, values, "data")
+
+
+def _follow_tokenizer_record(values: dict) -> None:
+    """Fill data.vocab_size/eod_id/pad_id left null from the tokenizer record beside each dataset prefix.
+
+    Set values must agree with the record (else the run would misread documents); without a record
+    (data made by Megatron-LM's tools) null values are an error naming the keys to set.
+    """
+    from lingpack.data.indices import parse_blend
+    from lingpack.data.preprocess import RECORD_KEYS, read_tokenizer_record, record_path
+    try:
+        prefixes, _ = parse_blend(values["paths"])
+    except ValueError as err:
+        raise ConfigError(f"data.paths: {err}") from err
+    for prefix in prefixes:
+        record = read_tokenizer_record(prefix)
+        for key in RECORD_KEYS:
+            if record is None:
+                if values.get(key) is None:
+                    raise ConfigError(
+                        f"data.{key} is null and {prefix} has no tokenizer record ({record_path(prefix)}, written by "
+                        "`python -m lingpack.data.preprocess`): set data.vocab_size, data.eod_id and data.pad_id to "
+                        "the tokenizer's (Ling3's: data.vocab_size=157184 data.eod_id=156892 data.pad_id=-1)")
+            elif values.get(key) is None:
+                values[key] = record[key]
+            elif values[key] != record[key]:
+                raise ConfigError(f"data.{key}={values[key]} but {prefix} was tokenized with {key}={record[key]} "
+                                  f"({record_path(prefix)}); set data.{key}={record[key]} or null (follow the data)")
 
 
 def _bundled(path: str, cache_dir: str) -> str:
@@ -150,6 +184,39 @@ def _bundled(path: str, cache_dir: str) -> str:
         raise ConfigError(f"data.paths entry {path!r}: {err}") from err
 
 
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
+    """Megatron's `make_vocab_size_divisible_by` padding: round up to a multiple of divisible_by * tensor size."""
+    if divisible_by < 1:
+        raise ConfigError(f"model.vocab_size_divisible_by={divisible_by} must be >= 1 (Megatron's default is 128)")
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def _blend_samples(data: DataConfig, train: TrainConfig) -> DataConfig:
+    """A weighted blend needs a sample count: Megatron's, train iterations x global batch size, unless set."""
+    from lingpack.data.indices import parse_blend
+    if data.source != "megatron" or not data.paths or data.num_samples or data.num_epochs:
+        return data
+    if parse_blend(data.paths)[1] is None:
+        return data
+    return dataclasses.replace(data, num_samples=train.steps * data.global_batch_size)
+
+
+def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tensor_parallel: int = 1) -> Ling3Config:
+    """The `model` group (+ the kernel) -> Ling3Config; `vocab_size: null` follows the data's vocabulary."""
+    values = dict(values)
+    divisor = values.pop("vocab_size_divisible_by", 128)
+    if values.get("vocab_size") is None:  # the data's tokenizer, padded like Megatron's vocab
+        values["vocab_size"] = padded_vocab_size(data_vocab_size, divisor, max(tensor_parallel, 1))
+    uses_max_segs = kernel.name in kda_api.NEEDS_MAX_SEGS  # other kernels ignore max_segs (no phantom segments)
+    values.update(kda_impl=kernel.name, kda_chunk_size=kernel.chunk_size, kda_interpret=kernel.interpret,
+                  kda_max_segs=kernel.max_segs if uses_max_segs else None)
+    try:
+        return config_from_dict(values)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"model: {err}") from err
+
+
 def build(cfg: dict, run_dir: str) -> RunConfig:
     """A resolved plain-dict config (OmegaConf.to_container(cfg, resolve=True)) -> RunConfig."""
     known = {"name", "seed", "model", "kernel", "data", "loss", "optim", "parallel", "checkpoint", "train",
@@ -158,24 +225,21 @@ def build(cfg: dict, run_dir: str) -> RunConfig:
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {sorted(known - {'hydra'})}")
     kernel = make(KernelConfig, cfg.get("kernel"), "kernel")
-    model_values = dict(cfg.get("model") or {})
-    model_values.update(kda_impl=kernel.name, kda_chunk_size=kernel.chunk_size, kda_max_segs=kernel.max_segs,
-                        kda_interpret=kernel.interpret)
-    try:
-        model = config_from_dict(model_values)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"model: {err}") from err
     data = _data_config(cfg.get("data") or {}, os.getcwd())
+    parallel = make(ParallelConfig, cfg.get("parallel"), "parallel")
+    model = model_config(cfg.get("model") or {}, kernel, data.vocab_size, parallel.tensor)
     if data.vocab_size > model.vocab_size:
         raise ConfigError(f"data.vocab_size={data.vocab_size} exceeds model.vocab_size={model.vocab_size}: tokens"
-                          " would index past the embedding; raise model.vocab_size")
+                          " would index past the embedding; raise model.vocab_size or set it to null (follow the data)")
     train_values = dict(cfg.get("train") or {})
     train_values.setdefault("seed", cfg.get("seed", 0))
+    train = make(TrainConfig, train_values, "train")
+    data = _blend_samples(data, train)
     optim_values = dict(cfg.get("optim") or {})
     return RunConfig(
         name=str(cfg.get("name", "run")), seed=int(cfg.get("seed", 0)), model=model, kernel=kernel, data=data,
         loss=make(LossConfig, cfg.get("loss"), "loss"), optim=make(OptimConfig, optim_values, "optim"),
-        parallel=make(ParallelConfig, cfg.get("parallel"), "parallel"),
+        parallel=parallel,
         checkpoint=make(CheckpointConfig, cfg.get("checkpoint"), "checkpoint"),
-        train=make(TrainConfig, train_values, "train"), logger=make(LoggerConfig, cfg.get("logger"), "logger"),
+        train=train, logger=make(LoggerConfig, cfg.get("logger"), "logger"),
         parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir)

@@ -1,7 +1,8 @@
 """Wires a resolved config into data -> model -> train -> tracking, and writes the run's summary.
 
 `run.py` calls `run_from_hydra`; tests and scripts can call `run(plain_config_dict, run_dir)` directly.
-Each job gets its own W&B run (offline by default, `finish()` per job), a `metrics.jsonl`/`metrics.csv`,
+Each job gets its own W&B run (offline by default, `finish()` per job, continued by a rerun that resumes
+from a checkpoint), a `metrics.jsonl`/`metrics.csv` with one record per step of the whole run,
 `summary.json`, a console summary table and PNG plots in its run directory. Multiruns end with a sweep
 table over all jobs (`SweepSummary`, a Hydra callback).
 """
@@ -9,10 +10,14 @@ table over all jobs (`SweepSummary`, a Hydra callback).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import statistics
 from pathlib import Path
 
 from lingpack import config as config_lib
+
+log = logging.getLogger("lingpack")
 
 _DISTRIBUTED_READY = False
 SUMMARY_FORMATS = {"final_lm_loss": ".4f", "first_lm_loss": ".4f", "tokens_per_s": ".0f",
@@ -35,19 +40,49 @@ def maybe_initialize_distributed() -> None:
 
 
 def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None):
-    from lingpack.tracking.metrics import MetricsLogger
+    from lingpack.tracking.metrics import MetricsLogger, is_main_process
     wandb = None
-    if rc.logger.kind == "wandb" and rc.logger.mode != "disabled":
-        from lingpack.tracking.wandb_logger import WandbLogger
+    if rc.logger.kind == "wandb" and rc.logger.mode != "disabled" and is_main_process():
+        from lingpack.tracking.wandb_logger import WandbLogger, persistent_run_id
         wandb = WandbLogger(project=rc.logger.project, group=rc.logger.group or group or rc.name,
                             job_type=rc.logger.job_type, name=rc.name, tags=list(rc.logger.tags),
-                            dir=rc.run_dir, mode=rc.logger.mode, config=plain)
+                            dir=rc.run_dir, mode=rc.logger.mode, config=plain,
+                            id=persistent_run_id(rc.run_dir), resume="allow")  # a rerun continues the same run
     return MetricsLogger(rc.run_dir, wandb=wandb, console_every=rc.logger.console_every)
+
+
+def uses_max_segs(rc: config_lib.RunConfig) -> bool:
+    """The configured kernel packs documents into `kernel.max_segs` cu_seqlens slots (phantom segments)."""
+    from lingpack.kernels.kda import api
+    return rc.kernel.name in api.NEEDS_MAX_SEGS
 
 
 def overhead_key(rc: config_lib.RunConfig) -> str:
     """The phantom-overhead metric of the configured kernel design."""
-    return "t_new_over_t" if rc.kernel.name in config_lib.KERNELS_WITH_MAX_SEGS else "native_t_over_t"
+    return "t_new_over_t" if uses_max_segs(rc) else "native_t_over_t"
+
+
+def _announce(rc: config_lib.RunConfig) -> None:
+    """What runs, said once at start: the model, the data and the kernel (and a max_segs it ignores)."""
+    kernel = f"kernel {rc.kernel.name} (chunk {rc.kernel.chunk_size}"
+    kernel += f", max_segs {rc.kernel.max_segs})" if uses_max_segs(rc) else ", segment-native)"
+    log.info("%s: model %d layers x %d wide, vocab %d | data %d x %d tokens per step | %s | %d steps",
+             rc.name, rc.model.num_layers, rc.model.emb_dim, rc.model.vocab_size, rc.data.global_batch_size,
+             rc.data.seq_length, kernel, rc.train.steps)
+    if rc.kernel.max_segs is not None and not uses_max_segs(rc):
+        log.warning("kernel=%s has no phantom segments: kernel.max_segs=%s is ignored (every value runs the same). "
+                    "Sweep the phantom overhead with a cu_seqlens kernel: python run.py -m kernel=chunked_aligned "
+                    "kernel.max_segs=8,16,32", rc.kernel.name, rc.kernel.max_segs)
+
+
+def _quiet_libraries() -> None:
+    """Orbax reports every save step on absl INFO; the loop prints one line per checkpoint instead."""
+    logging.getLogger("absl").setLevel(logging.WARNING)
+
+
+def _median(history: list[dict], key: str) -> float | None:
+    values = [float(h[key]) for h in history if key in h]
+    return statistics.median(values) if values else None  # median: compile steps (start, resume) do not skew it
 
 
 def _mean(history: list[dict], key: str) -> float | None:
@@ -55,36 +90,53 @@ def _mean(history: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def run_summary(rc: config_lib.RunConfig, history: list[dict], preempted: bool) -> dict:
+    """The run's figures from its per-step records (the whole run, every try of a resumed one)."""
+    return {
+        "name": rc.name, "kernel": rc.kernel.name, "max_segs": rc.kernel.max_segs if uses_max_segs(rc) else None,
+        "status": "preempted" if preempted else "completed", "steps": len(history),
+        "last_step": int(history[-1]["step"]) if history else 0,
+        "final_lm_loss": float(history[-1]["lm_loss"]) if history else None,
+        "first_lm_loss": float(history[0]["lm_loss"]) if history else None,
+        "tokens_per_s": _median(history, "tokens_per_s"),
+        "segments_per_row": _mean(history, "segments_per_row"),
+        "phantom_overhead": _mean(history, overhead_key(rc)),
+        "dropped_documents": sum(int(h.get("dropped_documents", 0)) for h in history),
+        "dropped_tokens": sum(int(h.get("dropped_tokens", 0)) for h in history),
+        "overflow_steps": sum(1 for h in history if h.get("dropped_documents", 0)),
+    }
+
+
 def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
-    """Train one job from a plain config dict; returns its summary dict (also written to summary.json)."""
+    """Train one job from a plain config dict; returns its summary dict (also written to summary.json).
+
+    A run stopped by a signal returns promptly after its checkpoint: no packing / loss parity checks and
+    no plots (its rerun resumes, and then reports over the whole run).
+    """
     maybe_initialize_distributed()
     os.makedirs(run_dir, exist_ok=True)
     rc = config_lib.build(plain, run_dir)
+    _quiet_libraries()
+    _announce(rc)
     from lingpack.train import loop
     from lingpack.tracking.table import summary_table
 
     metrics_logger = _metrics_logger(rc, plain, group)
     try:
         result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
-                            metrics_callback=metrics_logger)
-        history = list(result.history)
-        summary = {
-            "name": rc.name, "kernel": rc.kernel.name, "max_segs": rc.kernel.max_segs, "steps": len(history),
-            "final_lm_loss": float(history[-1]["lm_loss"]) if history else None,
-            "first_lm_loss": float(history[0]["lm_loss"]) if history else None,
-            "tokens_per_s": _mean(history[1:] or history, "tokens_per_s"),
-            "segments_per_row": _mean(history, "segments_per_row"),
-            "phantom_overhead": _mean(history, overhead_key(rc)),
-            "overflow_steps": sum(1 for h in history if float(h.get("overflow", 0)) > 0),
-            **{k: v for k, v in result.final_eval.items() if not k.endswith("_tokens")},
-        }
-        summary["packing_parity_rel"] = _packing_parity(rc, result.final_model())["rel_diff"]
-        if rc.parity.enabled:
-            from lingpack.parity.harness import run_parity
-            summary.update(run_parity(rc, history, metrics_logger))
+                            metrics_callback=metrics_logger, on_start=metrics_logger.resume)
+        history = metrics_logger.records() or list(result.history)
+        summary = run_summary(rc, history, result.preempted)
+        summary.update({k: v for k, v in result.final_eval.items() if not k.endswith("_tokens")})
+        if not result.preempted:
+            summary["packing_parity_rel"] = _packing_parity(rc, result.final_model())["rel_diff"]
+            if rc.parity.enabled:
+                from lingpack.parity.harness import run_parity
+                summary.update(run_parity(rc, history, metrics_logger))
         metrics_logger.summary({k: v for k, v in summary.items() if v is not None})
         metrics_logger.export_csv()
-        _plots(rc, history)
+        if not result.preempted:
+            _plots(rc, history)
         print(summary_table([summary], title=f"lingpack run summary: {rc.name}", formats=SUMMARY_FORMATS))
         return summary
     finally:
@@ -92,11 +144,11 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
 
 
 def _packing_parity(rc: config_lib.RunConfig, model) -> dict:
-    """Loss of the first real batch packed vs every document alone, with the trained model."""
+    """Loss of the first real batch packed vs every document alone, with the trained model (overflow dropped)."""
     from lingpack.data.pipeline import make_iterator
     from lingpack.parity.packing import packing_parity
     batch = next(make_iterator(rc.data, split="train"))
-    return packing_parity(model, batch)
+    return packing_parity(model, batch, micro_batches=rc.train.micro_batches)
 
 
 def _plots(rc: config_lib.RunConfig, history: list[dict]) -> None:
@@ -143,8 +195,8 @@ class SweepSummary(_HydraCallback):
         if not rows:
             print(f"sweep summary: no job summaries under {sweep_dir}")
             return
-        columns = ["job", "kernel", "max_segs", "final_lm_loss", "val_lm_loss", "tokens_per_s", "phantom_overhead",
-                   "packing_parity_rel", "overflow_steps"]
+        columns = ["job", "kernel", "max_segs", "phantom_overhead", "dropped_documents", "dropped_tokens",
+                   "tokens_per_s", "final_lm_loss", "val_lm_loss", "packing_parity_rel", "status"]
         table = summary_table(rows, columns, title=f"sweep summary ({len(rows)} jobs): {sweep_dir}",
                               formats=SUMMARY_FORMATS)
         print(table)

@@ -122,3 +122,13 @@ def test_stats_cli(tmp_path, capsys):
     assert report["segments_per_batch_max"] <= report["segments_per_batch_bound"]
     assert report["recommended_max_segs"] >= report["segments_per_batch_max"]
     assert report["recommended_max_segs"] % 8 == 0
+    # the run's own spelling: micro-batches are what the kernel sees; the eod id comes from the tokenizer record
+    assert stats_main([prefix, "data.seq_length=128", "data.global_batch_size=4", "train.micro_batches=2",
+                       "kernel.max_segs=1", "--num-batches", "20", "--json"]) == 0
+    per_micro = json.loads(capsys.readouterr().out)
+    assert per_micro["micro_batches"] == 2 and per_micro["seq_length"] == 128
+    assert per_micro["segments_per_batch_max"] < report["segments_per_batch_max"]  # 2 rows, not 4
+    assert per_micro["micro_batches_over_max_segs"] > 0 and per_micro["documents_dropped_at_max_segs"] > 0
+    with pytest.raises(SystemExit):
+        stats_main([prefix, "data.seq_len=128"])
+    assert "unknown override 'data.seq_len=128'" in capsys.readouterr().err

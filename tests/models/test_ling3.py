@@ -152,7 +152,8 @@ def test_config_from_dict_errors_name_keys():
 
 @pytest.mark.parametrize("name", ["ling3_tiny", "ling3_small", "ling3_flagship"])
 def test_conf_model_yaml_builds(name, capsys):
-    cfg = config_from_dict(yaml.safe_load((CONF / f"{name}.yaml").read_text()))
+    from lingpack.config import KernelConfig, model_config
+    cfg = model_config(yaml.safe_load((CONF / f"{name}.yaml").read_text()), KernelConfig(), data_vocab_size=258)
     n = count_params(cfg)
     print(f"{name}: {n / 1e6:.2f}M parameters, {count_active_params(cfg) / 1e6:.2f}M active")
     if name == "ling3_flagship":  # the real ling3-tiny dimensions, shape-checked only

@@ -1,73 +1,118 @@
-"""`run.py` end to end in a subprocess: a short run, a 2-job multirun, W&B offline files and metric logs."""
+"""`run.py` end to end in a subprocess: a SIGTERM + resume that keeps one record per step, an overflowing
+2-job sweep that still finishes with its summary, and one-line config errors."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["train.steps=3", "train.log_every=1", "data.global_batch_size=2", "data.seq_length=64",
-        "train.progress_bar=false", "checkpoint.save_every=2"]
+FAST = ["train.log_every=1", "data.global_batch_size=2", "data.seq_length=64", "train.progress_bar=false",
+        "checkpoint.save_every=2"]
+ENV = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", JAX_PLATFORMS="cpu",
+           XLA_FLAGS="--xla_force_host_platform_device_count=1",
+           PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))  # this tree's lingpack
+
+
+def command(args, tmp_path):
+    return [sys.executable, str(ROOT / "run.py"), *args, f"data.cache_dir={tmp_path / 'cache'}"]
 
 
 def run_py(args, tmp_path, timeout=900):
-    env = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    cmd = [sys.executable, str(ROOT / "run.py"), *args, f"data.cache_dir={tmp_path / 'cache'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(command(args, tmp_path), cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
 def offline_run_keys(run_dir: Path) -> str:
-    """The bytes of the W&B offline run file (its records hold every logged key)."""
+    """The bytes of the W&B offline run files (their records hold every logged key)."""
     files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert files, f"no W&B offline run under {run_dir}"
     return b"".join(f.read_bytes() for f in files).decode("latin-1")
 
 
-def test_single_run_writes_metrics_checkpoints_wandb_and_summary(tmp_path):
-    proc = run_py([*FAST, "train.eval_every=2", "train.eval_batches=1", f"hydra.run.dir={tmp_path / 'run'}"],
-                  tmp_path)
+def records(run_dir: Path) -> list:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     run_dir = tmp_path / "run"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for key in ("loss", "lm_loss", "grad_norm", "lr", "tokens", "tokens_per_s", "native_t_over_t", "overflow"):
-        assert key in records[-1], key
+    args = [*FAST, "train.eval_every=2", "train.eval_batches=1", f"hydra.run.dir={run_dir}"]
+    first = subprocess.Popen(command([*args, "train.steps=500"], tmp_path), cwd=tmp_path, env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 900
+    while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
+        assert first.poll() is None and time.time() < deadline, "the run ended before its first step was logged"
+        time.sleep(0.2)
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, out[-3000:] + err[-3000:]
+    stopped = json.loads((run_dir / "summary.json").read_text())
+    k = stopped["last_step"]
+    assert stopped["status"] == "preempted" and 1 <= k < 500
+    assert "packing_parity_rel" not in stopped and not (run_dir / "loss.png").exists()  # no checks after a signal
+    console = out + err
+    assert "[absl][INFO]" not in console and "| mfu" not in console   # CPU peak unknown: no mfu shown
+    assert console.count("step 1 | loss") == 1                      # one line per logged step
+    assert console.count("kernel chunked (chunk 64, segment-native)") == 1
+
+    with open(run_dir / "metrics.jsonl", "a") as handle:   # as if a later try was killed after logging step k+1
+        handle.write(json.dumps({"step": k + 1, "lm_loss": 99.0}) + "\n")
+    proc = run_py([*args, f"train.steps={k + 2}"], tmp_path)   # resumes from the checkpoint at step k
+    logged = records(run_dir)
+    assert [r["step"] for r in logged] == list(range(1, k + 3)) and logged[k]["lm_loss"] != 99.0
+    for key in ("loss", "lm_loss", "grad_norm", "lr", "tokens", "tokens_per_s", "native_t_over_t",
+                "dropped_documents", "dropped_tokens"):
+        assert key in logged[-1], key
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["packing_parity_rel"] < 1e-5
-    assert [r["step"] for r in records if "val_lm_loss" in r] == [2]  # the bundled corpus' valid split
+    assert summary["status"] == "completed" and summary["steps"] == k + 2
+    assert summary["first_lm_loss"] == logged[0]["lm_loss"] and summary["dropped_documents"] == 0
+    assert summary["packing_parity_rel"] < 1e-5
+    assert [r["step"] for r in logged if "val_lm_loss" in r] == list(range(2, k + 3, 2))  # both tries' evaluations
     assert summary["val_lm_loss"] > 0 and summary["test_lm_loss"] > 0 and summary["val_ppl"] > 1
-    assert "validation loss at iteration 2 |" in proc.stdout and "on test set |" in proc.stdout
+    assert "on test set |" in proc.stdout
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
-    wandb_records = offline_run_keys(run_dir)
-    assert "lm_loss" in wandb_records and "native_t_over_t" in wandb_records
-    assert "lingpack run summary" in proc.stdout
+    assert (run_dir / "metrics.csv").read_text().count("\n") == k + 3   # header + one row per step
+    run_ids = {p.name.rsplit("-", 1)[-1] for p in run_dir.glob("wandb/offline-run-*")}
+    assert len(list(run_dir.glob("wandb/offline-run-*"))) == 2 and len(run_ids) == 1   # one W&B run, resumed
+    assert "lm_loss" in offline_run_keys(run_dir) and "lingpack run summary" in proc.stdout
 
 
-def test_multirun_two_jobs_and_sweep_summary(tmp_path):
+def test_overflowing_sweep_finishes_with_its_summary(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_py(["-m", *FAST, "train.steps=2", "train.eval_every=0", "kernel=chunked_aligned", "kernel.max_segs=8,16",
+    proc = run_py(["-m", *FAST, "train.steps=2", "train.eval_every=0", "kernel=chunked_aligned", "kernel.max_segs=2,16",
                    "checkpoint.enabled=false", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}"],
                   tmp_path)
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
-    assert [p.name for p in jobs] == ["0", "1"]
-    summaries = [json.loads((p / "summary.json").read_text()) for p in jobs]
-    assert [s["max_segs"] for s in summaries] == [8, 16]
-    # phantom overhead grows with the slots reserved: T_new/T = ceil((B*T + max_segs*63)/64)*64 / (B*T)
-    assert summaries[0]["phantom_overhead"] < summaries[1]["phantom_overhead"]
+    jobs = [sweep / "0", sweep / "1"]
     for job in jobs:
+        for name in ("summary.json", "metrics.csv", "loss.png"):
+            assert (job / name).exists(), job / name
         assert "t_new_over_t" in offline_run_keys(job)
+    tight, roomy = [json.loads((job / "summary.json").read_text()) for job in jobs]
+    assert (tight["max_segs"], roomy["max_segs"]) == (2, 16)
+    assert tight["dropped_documents"] > 0 and tight["dropped_tokens"] > 0 and roomy["dropped_documents"] == 0
+    assert tight["packing_parity_rel"] < 1e-5   # the documents that trained match their per-document losses
+    # phantom overhead grows with the slots reserved: T_new/T = ceil((B*T + max_segs*63)/64)*64 / (B*T)
+    assert tight["phantom_overhead"] < roomy["phantom_overhead"]
     assert "sweep summary (2 jobs)" in proc.stdout
-    assert (sweep / "sweep_summary.csv").exists()
+    header = (sweep / "sweep_summary.csv").read_text().splitlines()[0]
+    assert "max_segs,phantom_overhead,dropped_documents,dropped_tokens,tokens_per_s" in header
 
 
-def test_bad_override_fails_with_the_key(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "kernel.name=fastest", "logger=none"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0
-    assert "kernel.name='fastest' is not one of" in proc.stderr + proc.stdout
+@pytest.mark.parametrize("override,message", [
+    ("kernel.name=fastest", "kernel.name='fastest' is not one of"),
+    ("train.steps=-1", "TrainConfig.steps=-1 must be >= 1"),
+    pytest.param("model.num_layers=0", "num_layers must be >= 1", marks=pytest.mark.slow),
+    pytest.param("kernel.max_segs=0", "kernel.max_segs=0 must be >= 1", marks=pytest.mark.slow),
+])
+def test_config_error_is_one_line(tmp_path, override, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), override, "logger=none"], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], lines

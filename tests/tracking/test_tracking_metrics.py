@@ -66,6 +66,34 @@ def test_read_metrics_errors_name_file_and_line(tmp_path):
         read_metrics(tmp_path)
 
 
+def test_resume_drops_records_past_the_restored_step(tmp_path):
+    """A try killed after logging steps 1-5 (checkpoint at 3): the rerun keeps 1-3, then logs 4-5 once."""
+    first = MetricsLogger(tmp_path, console_every=0, main_process=True)
+    for step in range(1, 6):
+        first(step, {"lm_loss": 1.0})
+    first.finish()
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 6, "lm_lo')  # killed mid-write
+    stream = io.StringIO()
+    second = MetricsLogger(tmp_path, console_every=0, stream=stream, main_process=True)
+    second.resume(3)
+    for step in (4, 5):
+        second(step, {"lm_loss": 2.0})
+    assert [(r["step"], r["lm_loss"]) for r in second.records()] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0)]
+    assert "dropped 2 records past step 3" in stream.getvalue()
+    second.resume(0)  # a fresh start in the same directory (no checkpoint): nothing of the old run stays
+    assert second.records() == []
+    second.finish()
+    assert MetricsLogger(tmp_path, main_process=False).records() == []
+
+
+def test_persistent_wandb_run_id(tmp_path):
+    from lingpack.tracking.wandb_logger import persistent_run_id
+    run_id = persistent_run_id(tmp_path / "run")
+    assert persistent_run_id(tmp_path / "run") == run_id and len(run_id) == 8
+    assert persistent_run_id(tmp_path / "other") != run_id
+
+
 def test_non_main_process_writes_nothing(tmp_path):
     logger = MetricsLogger(tmp_path / "rank1", main_process=False)
     logger(1, {"lm_loss": 1.0})

@@ -52,18 +52,3 @@ def test_ling3_trains_on_bundled_corpus_and_checkpoints(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
     assert set(state.rest) == {"layers", "mtp_layers"}  # expert biases of the MoE layers travel with the state
 
-
-def test_max_segs_overflow_is_counted_or_halts(tmp_path):
-    """More documents than kda_max_segs: the aligned kernel drops them (never mixes), the loop counts or halts."""
-    import dataclasses
-
-    import pytest
-    data = DataConfig(source="megatron", paths=(bundled_corpus_prefix(str(tmp_path / "cache"), "speech"),),
-                      seq_length=64, global_batch_size=2, eod_id=256, pad_id=257, vocab_size=258, read_threads=1)
-    model = dataclasses.replace(MODEL, kda_impl="chunked_aligned", kda_max_segs=1)
-    run = lambda policy: loop_lib.train(
-        model, data, LossConfig(), OptimConfig(warmup_steps=0, decay_steps=2), ParallelConfig(data=1),
-        CheckpointConfig(enabled=False), TrainConfig(steps=1, progress_bar=False, overflow_policy=policy))
-    assert run("warn").final_metrics["overflow"] > 0
-    with pytest.raises(RuntimeError, match="exceeded kda max_segs=1"):
-        run("halt")

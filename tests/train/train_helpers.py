@@ -27,6 +27,7 @@ class TinyConfig:
     hidden: int = 32
     mtp_num_layers: int = 1
     moe: MoEConfig = MoEConfig(num_experts=4, top_k=1, expert_dim=8, z_loss_coef=1e-2, bias_update_rate=1e-2)
+    kda_impl: str = "chunked"           # the step drops overflow for "chunked_aligned" (see step.kernel_max_segs)
     kda_max_segs: int | None = None
     kda_chunk_size: int = 16
 

@@ -8,7 +8,9 @@ Inputs: `.jsonl` (one JSON object per line, text under --json-key) or plain text
 per file, per blank-line-separated paragraph or per line: --txt-split); `.gz` is read transparently.
 Each document becomes one sequence (no sentence splitting). Documents whose text is empty are
 skipped and counted. Tokens are stored as uint16 when the vocabulary has < 65500 ids, else int32
-(Megatron's choice). Without --append-eod, documents are not separated by an EOD token, and
+(Megatron's choice). Beside them, `PREFIX.tokenizer-record.json` keeps the tokenizer's vocab_size, eod_id
+and pad_id, so a run's `data.vocab_size/eod_id/pad_id: null` (conf/data/megatron.yaml) and the model's
+vocabulary follow the data. Without --append-eod, documents are not separated by an EOD token, and
 lingpack's segment ids then cannot see document boundaries: Megatron GPT data wants --append-eod.
 """
 
@@ -68,6 +70,31 @@ def iter_texts(path: str, *, json_key: str = "text", txt_split: str = "file"):
             raise ValueError(f"--txt-split {txt_split!r} is not one of file, paragraph, line")
 
 
+RECORD_SUFFIX = ".tokenizer-record.json"
+RECORD_KEYS = ("vocab_size", "eod_id", "pad_id")
+
+
+def record_path(prefix: str) -> str:
+    return prefix + RECORD_SUFFIX
+
+
+def write_tokenizer_record(prefix: str, tokenizer) -> None:
+    """`PREFIX.tokenizer-record.json`: the ids a run needs to read the tokens right."""
+    record = {"tokenizer": tokenizer.name, **{key: int(getattr(tokenizer, key)) for key in RECORD_KEYS}}
+    with open(record_path(prefix), "w", encoding="utf-8") as stream:
+        json.dump(record, stream, indent=2)
+        stream.write("\n")
+
+
+def read_tokenizer_record(prefix: str) -> dict | None:
+    """The record written beside `prefix` by `preprocess`, or None (e.g. data made by Megatron-LM's tools)."""
+    path = record_path(prefix)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as stream:
+        return json.load(stream)
+
+
 def preprocess(
     inputs: list[str],
     output_prefix: str,
@@ -95,6 +122,7 @@ def preprocess(
                 tokens += int(ids.size)
     if documents == 0:
         raise ValueError(f"no non-empty documents in {inputs}; nothing to write to {output_prefix}")
+    write_tokenizer_record(output_prefix, tokenizer)
     return {"documents": documents, "skipped_empty": skipped, "tokens": tokens,
             "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
 

@@ -2,6 +2,7 @@
 
 Every document of a real batch is moved to the start of its own row (padding after it, positions kept),
 the whole set runs as one batch, and the token-weighted loss is compared with the packed batch's.
+Documents the kernel has no slot for (more than its max_segs in a micro-batch) are left out of both.
 """
 
 from __future__ import annotations
@@ -38,13 +39,31 @@ def token_weighted_loss(model, batch: dict) -> tuple[float, float]:
     return float(jnp.sum(jnp.where(mask, xent, 0.0))), float(jnp.sum(mask))
 
 
-def packing_parity(model, batch: dict) -> dict:
-    """Relative difference between the packed loss and the per-document (unpacked) loss of `batch`."""
-    batch = {k: np.asarray(v) for k, v in batch.items()}
-    packed_sum, packed_count = token_weighted_loss(model, batch)
-    alone_sum, alone_count = token_weighted_loss(model, unpack_documents(batch))
+def packing_parity(model, batch: dict, *, micro_batches: int = 1) -> dict:
+    """Relative difference between the packed loss and the per-document (unpacked) loss of `batch`.
+
+    The batch is split into `micro_batches` like a train step; documents that do not fit the kernel's
+    max_segs slots of their micro-batch are dropped first, as training drops them (`train.step.drop_overflow`),
+    and only the documents that train are compared. Each micro-batch's documents run alone as one batch.
+    """
+    from lingpack.train.step import drop_overflow, kernel_max_segs
+    B = np.asarray(batch["inputs"]).shape[0]
+    if B % micro_batches:
+        raise ValueError(f"a batch of {B} rows does not split into micro_batches={micro_batches}")
+    micro = {k: jnp.asarray(v).reshape(micro_batches, B // micro_batches, -1) for k, v in batch.items()}
+    kept, dropped = drop_overflow(micro, kernel_max_segs(getattr(model, "cfg", None)))
+    packed_sum = packed_count = alone_sum = alone_count = 0.0
+    documents = 0
+    for m in range(micro_batches):
+        mb = {k: np.asarray(v[m]) for k, v in kept.items()}
+        alone_batch = unpack_documents(mb)
+        s, c = token_weighted_loss(model, mb)
+        packed_sum, packed_count = packed_sum + s, packed_count + c
+        s, c = token_weighted_loss(model, alone_batch)
+        alone_sum, alone_count = alone_sum + s, alone_count + c
+        documents += alone_batch["inputs"].shape[0]
     if packed_count != alone_count:
         raise AssertionError(f"loss tokens differ after unpacking: {packed_count} vs {alone_count}")
     packed, alone = packed_sum / packed_count, alone_sum / alone_count
     return {"packed_loss": packed, "per_document_loss": alone, "rel_diff": abs(packed - alone) / abs(alone),
-            "documents": int(unpack_documents(batch)["inputs"].shape[0])}
+            "documents": documents, **{k: int(v) for k, v in dropped.items()}}

@@ -3,10 +3,13 @@
 `metrics.jsonl` in the run directory holds one JSON object per `log` call: `{"step": 10, "lm_loss": ..}`.
 Values are converted from numpy / JAX scalars to Python int / float; NaN and inf are written as the
 JSON extensions `NaN` / `Infinity` (Python's json reads them back), because a NaN loss is information.
-The file is appended to and flushed per line, so a crashed or resumed run keeps everything it logged.
+The file is appended to and flushed per line, so a crashed run keeps everything it logged; a resumed run
+first drops the records past its restored step (`resume`), so the file holds one record per step of
+the whole run however often it was interrupted.
 
     logger = MetricsLogger(run_dir, wandb=WandbLogger(...), console_every=10)
-    train(..., metrics_callback=logger)          # logger(step, metrics)
+    train(..., metrics_callback=logger, on_start=logger.resume)   # logger(step, metrics)
+    history = logger.records()                   # the whole run, across resumes
     logger.finish()
 """
 
@@ -140,11 +143,25 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def truncate_metrics(run_dir: str | Path, step: int) -> int:
+    """Keep only the records with `step <= step` in run_dir/metrics.jsonl (atomically); returns how many went."""
+    path = metrics_path(run_dir)
+    if not path.is_file():
+        return 0
+    records = read_metrics(path)
+    kept = [r for r in records if r["step"] <= step]
+    if len(kept) != len(records) or path.read_text(encoding="utf-8").count("\n") != len(records):
+        temporary = path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in kept), encoding="utf-8")
+        temporary.replace(path)
+    return len(records) - len(kept)
+
+
 class MetricsLogger:
     """Fan-out of one `(step, metrics)` call to metrics.jsonl, W&B and the console (process 0 only).
 
     `wandb` is a `WandbLogger` (or anything with log/summary/finish) or None. `console_every=0`
-    silences the console. Bind it as the training loop's `metrics_callback`.
+    silences the console. Bind it as the training loop's `metrics_callback`, and `resume` as its `on_start`.
     """
 
     def __init__(self, run_dir: str | Path, *, wandb: Any = None, console_every: int = 1,
@@ -159,6 +176,23 @@ class MetricsLogger:
 
     def __call__(self, step: int, metrics: Mapping[str, Any]) -> None:
         self.log(step, metrics)
+
+    def resume(self, step: int) -> None:
+        """Training continues after `step` (0: from scratch): drop the records logged past it by an earlier try."""
+        if not self.active:
+            return
+        self.jsonl.close()
+        dropped = truncate_metrics(self.run_dir, step)
+        if dropped:
+            print(f"metrics: dropped {dropped} records past step {step} (logged before the restart)",
+                  file=self.stream or sys.stdout, flush=True)
+        self.jsonl = JsonlWriter(self.run_dir / METRICS_FILE)
+
+    def records(self) -> list:
+        """Every record of this run directory's metrics.jsonl (all tries of a resumed run); [] off process 0."""
+        if not self.active or not metrics_path(self.run_dir).is_file():
+            return []
+        return read_metrics(self.run_dir)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict:
         record = to_record(step, metrics)

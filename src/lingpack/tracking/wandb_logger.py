@@ -4,6 +4,9 @@ Named `wandb_logger.py` (not `wandb.py`) so that `from lingpack.tracking import 
 mistaken for the real package. Modes: "offline" (default; writes `<dir>/wandb/offline-run-*`, upload
 later with `wandb sync <dir>/wandb/offline-run-*`), "online", "disabled" (does nothing, never imports
 wandb). Multirun-safe: every logger owns its run (`reinit="create_new"`) and `finish()` closes it.
+A resumed job continues its W&B run: `persistent_run_id(run_dir)` keeps the id in the run directory and
+`WandbLogger(id=..., resume="allow")` reopens it (offline, each try writes an `offline-run-*` folder with
+that id; `wandb sync` joins them into one run).
 
     logger = WandbLogger(project="lingpack", group="ling3_tiny-parity", job_type="train",
                          config=OmegaConf.to_container(cfg, resolve=True), dir=run_dir)
@@ -13,10 +16,23 @@ wandb). Multirun-safe: every logger owns its run (`reinit="create_new"`) and `fi
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 MODES = ("offline", "online", "disabled")
+RUN_ID_FILE = "wandb_run_id"
+
+
+def persistent_run_id(run_dir: str | Path) -> str:
+    """The W&B run id of `run_dir`: read from `run_dir/wandb_run_id`, or made and stored there on first use."""
+    path = Path(run_dir) / RUN_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run_id = secrets.token_hex(4)  # 8 lowercase hex characters, like wandb's own ids
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 def _plain_config(config: Any) -> dict:
@@ -40,7 +56,7 @@ class WandbLogger:
                  name: str | None = None, tags: Iterable[str] = (), dir: str | Path | None = None,
                  mode: str = "offline", config: Any = None, step_metric: str | None = "tokens",
                  entity: str | None = None, notes: str | None = None, capture_console: bool = False,
-                 main_process: bool | None = None):
+                 main_process: bool | None = None, id: str | None = None, resume: str | None = None):
         if mode not in MODES:
             raise ValueError(f"wandb mode {mode!r}: expected one of {MODES} (offline writes locally, "
                              f"sync later with `wandb sync`).")
@@ -62,7 +78,7 @@ class WandbLogger:
         self.run = wandb.init(
             project=project, entity=entity, group=group, job_type=job_type, name=name,
             tags=list(tags) or None, notes=notes, dir=str(dir) if dir is not None else None,
-            mode=mode, config=_plain_config(config),
+            mode=mode, config=_plain_config(config), id=id, resume=resume,
             reinit="create_new",  # one run per multirun job, never the previous job's run
             settings=wandb.Settings(console="auto" if capture_console else "off"),
         )

@@ -204,13 +204,14 @@ class TrainConfig:
 
     nan_policy: "halt" (save a checkpoint of the last good state, then stop with an error message) or
         "skip" (drop the update, keep going). peak_flops_per_device: for the MFU estimate; None looks the
-        device kind up in a small table (CPU: the measured matmul ceiling; unknown kinds report mfu 0). progress_bar: tqdm on the console.
+        device kind up in a small table (CPU: the measured matmul ceiling; unknown kinds report no mfu). progress_bar: tqdm on the console.
     eval_every / eval_batches: Megatron's eval_interval / eval_iters: every `eval_every` steps (0 = never)
         evaluate `eval_batches` global batches of the valid split, and once more at the end of the run;
         eval_test: also evaluate the test split at the end (when data.split gives it data). See evaluate.py.
-    overflow_policy: a micro-batch with more documents than the aligned kernels' `kda_max_segs` has its
-        overflowing documents dropped by the kernel (never mixed); "warn" logs and counts it, "halt" stops
-        with an error naming the fix.
+    overflow_policy: a micro-batch with more documents than the aligned kernels' `kda_max_segs` has the
+        documents that do not fit left out of the step (made padding: no loss, no gradient, never mixed);
+        "warn" warns once, counts them per step (dropped_documents, dropped_tokens) and trains on; "halt"
+        stops before the first update that would leave documents out (state before that batch saved).
     """
 
     steps: int = 100

@@ -27,6 +27,7 @@ from lingpack.parallel.reorder import reorder_batch
 from lingpack.train import loss as loss_lib
 from lingpack.train import sharding as shard_lib
 from lingpack.train.configs import LossConfig, TrainConfig
+from lingpack.train.step import drop_overflow, kernel_max_segs
 
 log = logging.getLogger("lingpack.train")
 PPL_CAP = 20.0  # Megatron prints exp(min(20, loss)): PPL of an untrained large-vocab model stays finite
@@ -49,11 +50,12 @@ def make_eval_step(model_def, loss_cfg: LossConfig, *, micro_batches: int, mesh=
 
     def step(params, rest, batch):
         B = batch["inputs"].shape[0]
-        totals = loss_lib.totals(batch, depths)
         micro = {k: v.reshape(M, B // M, *v.shape[1:]) for k, v in batch.items()}
         if mesh is not None:
             spec = NamedSharding(mesh, P(None, *shard_lib.batch_spec(mesh, rules)))
             micro = {k: jax.lax.with_sharding_constraint(v, spec) for k, v in micro.items()}
+        micro, dropped = drop_overflow(micro, kernel_max_segs(model_cfg), context)  # as training leaves them out
+        totals = loss_lib.totals(micro, depths)
         model = model_def.merge(params, rest)
 
         def body(acc, mb):
@@ -64,10 +66,9 @@ def make_eval_step(model_def, loss_cfg: LossConfig, *, micro_batches: int, mesh=
             return stats if acc is None else jax.tree.map(jnp.add, acc, stats), None
 
         first, _ = body(None, jax.tree.map(lambda v: v[0], micro))
-        if M == 1:
-            return first
-        total, _ = jax.lax.scan(body, first, jax.tree.map(lambda v: v[1:], micro))
-        return total
+        if M > 1:
+            first, _ = jax.lax.scan(body, first, jax.tree.map(lambda v: v[1:], micro))
+        return dict(first, **dropped)
 
     def traced(params, rest, batch):
         with context_parallel(context):
@@ -88,6 +89,9 @@ def eval_metrics(stats: dict, prefix: str) -> dict:
         out[f"{prefix}_mtp_loss"] = float(jnp.mean(stats["mtp_sum"] / jnp.maximum(stats["mtp_tokens"], 1.0)))
     if stats["moe_z_sum"].size:  # unweighted router z-loss, mean over MoE layers
         out[f"{prefix}_moe_z_loss"] = float(jnp.mean(stats["moe_z_sum"] / jnp.maximum(stats["moe_z_tokens"], 1.0)))
+    if int(stats.get("dropped_documents", 0)):  # documents beyond the kernel's max_segs, left out as in training
+        out[f"{prefix}_dropped_documents"] = int(stats["dropped_documents"])
+        out[f"{prefix}_dropped_tokens"] = int(stats["dropped_tokens"])
     return out
 
 

@@ -1,16 +1,19 @@
 """The training loop: data -> sharded step -> metrics, with checkpoint/resume and preemption handling.
 
     result = train(model_cfg, data_cfg, loss_cfg, optim_cfg, parallel_cfg, ckpt_cfg, train_cfg,
-                   metrics_callback=None)
+                   metrics_callback=None, on_start=None)
 
 On start the latest checkpoint in `ckpt_cfg.directory` is restored (state and data position), else the
-state is initialised directly in its shardings. Each step reads one global batch (this host's rows),
-runs the jitted step and reports one metrics dict (names in METRIC_NAMES) to `metrics_callback(step,
-metrics)` (every step) and to `TrainResult.history`; the console shows a progress bar (and a log line
-every `log_every` steps). Every `train.eval_every` steps the valid split is evaluated (evaluate.py; its
-`val_*` metrics join that step's record) and, when the run completes, the valid and test splits once more
-(`TrainResult.final_eval`). Checkpoints every `save_every` steps, at the end, on SIGTERM/SIGINT (then the
-loop returns with `preempted=True`) and before halting on a non-finite loss.
+state is initialised directly in its shardings; `on_start(step)` then hears the step training continues
+from (0 or the restored one: a metrics writer drops its records past it). Each step reads one global
+batch (this host's rows), runs the jitted step and reports one metrics dict (names in METRIC_NAMES; `mfu`
+only when the device's peak FLOP/s is known) to `metrics_callback(step, metrics)` (every step) and to
+`TrainResult.history`; the console shows a progress bar and one log line every `log_every` steps.
+Every `train.eval_every` steps the valid split is evaluated (evaluate.py; its `val_*` metrics join that
+step's record) and, when the run completes, the valid and test splits once more (`TrainResult.final_eval`).
+Checkpoints every `save_every` steps, at the end, on SIGTERM/SIGINT (then the loop returns with
+`preempted=True`) and before halting on a non-finite loss or (overflow_policy="halt") on documents
+beyond the kernel's max_segs, which no update has then included.
 
 `model_cfg` is a `Ling3Config`, or any frozen config with `make_model(rngs) -> nnx.Module` whose call
 returns a `Ling3Output` (tests use a small stand-in that way).
@@ -41,16 +44,24 @@ from lingpack.train.step import ModelDef, init_fn, make_train_step, state_shardi
 log = logging.getLogger("lingpack.train")
 
 METRIC_NAMES = ("loss", "lm_loss", "mtp_loss", "moe_z_loss", "grad_norm", "lr", "tokens", "tokens_per_s",
-                "step_time_s", "mfu", "segments_per_row", "max_segs", "overflow", "t_new_over_t",
-                "native_t_over_t", "loss_tokens")
+                "step_time_s", "mfu", "segments_per_row", "max_segs", "dropped_documents", "dropped_tokens",
+                "t_new_over_t", "native_t_over_t", "loss_tokens")
 
 
-class NonFiniteLossError(RuntimeError):
-    """Raised by nan_policy="halt"; `.history` holds the metrics so far, `.checkpoint_step` the saved step."""
+class HaltError(RuntimeError):
+    """A halting policy stopped the run; `.history` holds the metrics so far, `.checkpoint_step` the saved step."""
 
     def __init__(self, message: str, history: list, checkpoint_step: int | None):
         super().__init__(message)
         self.history, self.checkpoint_step = history, checkpoint_step
+
+
+class NonFiniteLossError(HaltError):
+    """Raised by nan_policy="halt"."""
+
+
+class OverflowHaltError(HaltError):
+    """Raised by overflow_policy="halt": a micro-batch held more documents than the kernel's max_segs."""
 
 
 @dataclasses.dataclass
@@ -104,6 +115,21 @@ def _scalar(x):
     return int(x) if np.issubdtype(x.dtype, np.integer) else float(x)
 
 
+_OVERFLOW_FIX = ("Raise kernel.max_segs (`python -m lingpack.data.stats` recommends one) or use a kernel without "
+                 "max_segs (kernel=chunked)")
+
+
+def _log_line(metrics: dict) -> str:
+    """The one console line of a logged step."""
+    parts = [f"step {metrics['step']}", f"loss {metrics['loss']:.5f}", f"lm loss {metrics['lm_loss']:.5f}",
+             f"grad norm {metrics['grad_norm']:.3f}", f"lr {metrics['lr']:.3e}", f"{metrics['tokens_per_s']:.0f} tok/s"]
+    if "mfu" in metrics:
+        parts.append(f"mfu {metrics['mfu']:.3f}")
+    if metrics["dropped_documents"]:
+        parts.append(f"dropped {metrics['dropped_documents']} docs / {metrics['dropped_tokens']} tokens")
+    return " | ".join(parts)
+
+
 def _progress(train_cfg: TrainConfig, start: int):
     if not train_cfg.progress_bar or jax.process_index() != 0:
         return None
@@ -115,7 +141,7 @@ def _progress(train_cfg: TrainConfig, start: int):
 
 
 def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
-          ckpt_cfg: CheckpointConfig, train_cfg: TrainConfig, *, metrics_callback=None) -> TrainResult:
+          ckpt_cfg: CheckpointConfig, train_cfg: TrainConfig, *, metrics_callback=None, on_start=None) -> TrainResult:
     optim_cfg = optim_lib.resolve(optim_cfg, train_cfg.steps)
     mesh = shard_lib.make_mesh(parallel_cfg)
     rules = parallel_cfg.rules
@@ -139,23 +165,25 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     if latest is not None:
         state, data_state = ckpt.restore(latest, abstract, shardings)
         iterator.set_state(data_state)
-        log.info("restored step %d from %s", latest, ckpt.directory)
+        log.info("resumed from step %d (%s)", latest, ckpt.directory)
     else:
         state = jax.jit(init, out_shardings=shardings)()
     start = int(jax.device_get(state.step))
+    if on_start is not None:
+        on_start(start)
     step_fn = make_train_step(model_def, loss_cfg, optim_cfg, micro_batches=train_cfg.micro_batches, mesh=mesh,
-                              rules=rules, shardings=shardings, context=context)
+                              rules=rules, shardings=shardings, context=context,
+                              halt_on_overflow=train_cfg.overflow_policy == "halt")
     evaluators = make_evaluators(model_def, data_cfg, loss_cfg, train_cfg, mesh=mesh, rules=rules, context=context)
 
     peak = train_cfg.peak_flops_per_device or flops_lib.peak_flops_per_device()
     step_flops = flops_lib.flops_per_token(model_cfg, data_cfg.seq_length) * data_cfg.global_batch_size * data_cfg.seq_length
-    if not peak:
-        log.info("peak FLOP/s of %s unknown: mfu reported as 0 (set train.peak_flops_per_device)",
-                 jax.devices()[0].device_kind)
-    elif not train_cfg.peak_flops_per_device and jax.devices()[0].platform == "cpu":
+    log.info("mesh %s over %d %s device(s)%s", dict(mesh.shape), jax.device_count(), jax.devices()[0].device_kind,
+             "" if peak else "; peak FLOP/s unknown, no mfu (set train.peak_flops_per_device)")
+    if peak and not train_cfg.peak_flops_per_device and jax.devices()[0].platform == "cpu":
         log.info("mfu on CPU is against the measured matmul ceiling: %.1f GFLOP/s per device", peak / 1e9)
 
-    history, saved, skipped, preempted, final_eval = [], [], 0, False, {}
+    history, saved, skipped, preempted, final_eval, warned_overflow = [], [], 0, False, {}, False
     bar = _progress(train_cfg, start)
     last_saved = latest
 
@@ -165,6 +193,14 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
             ckpt.save(step_number, state_, data_state_, wait=wait)
             saved.append(step_number)
             last_saved = step_number
+            log.info("checkpoint: step %d", step_number)
+
+    def halt(error_cls, step, state_, data_state_, reason, fix):
+        # The step left params/optimizer/rng untouched: step-1 + the pre-batch data state is exact.
+        save(step, state_.replace(step=state_.step - 1), data_state_, wait=True)
+        where = f"saved at step {step} in {ckpt.directory}" if ckpt else "not saved (checkpointing disabled)"
+        raise error_cls(f"step {step + 1}: {reason}; no update was applied, the state before this batch is {where}. "
+                        f"{fix}", history, step if ckpt else None)
 
     try:
         with PreemptionGuard(train_cfg.handle_signals) as guard:
@@ -183,8 +219,9 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 metrics = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
                 dt = time.perf_counter() - t0
                 metrics.update(step=step + 1, step_time_s=dt, tokens_per_s=metrics["tokens"] / dt,
-                               mfu=step_flops / dt / (peak * jax.device_count()) if peak else 0.0,
                                data_fingerprint=fingerprint)
+                if peak:
+                    metrics["mfu"] = step_flops / dt / (peak * jax.device_count())
                 evaluated = {}
                 if evaluators and (step + 1) % train_cfg.eval_every == 0:  # Megatron's eval_interval
                     evaluated = evaluators["valid"].evaluate(state, (step + 1) // train_cfg.eval_every - 1)
@@ -192,44 +229,40 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                     metrics.update(evaluated)
                 history.append(metrics)
                 if metrics_callback is not None:
-                    metrics_callback(step + 1, {**{k: metrics[k] for k in METRIC_NAMES}, **evaluated})
-                if metrics["overflow"]:
-                    log.warning("step %d: %d segments beyond kda max_segs=%d were dropped by the kernel; raise "
-                                "kernel.max_segs (see `python -m lingpack.data.stats`)", step + 1,
-                                metrics["overflow"], metrics["max_segs"])
-                    if train_cfg.overflow_policy == "halt":
-                        raise RuntimeError(f"step {step + 1}: {metrics['overflow']} segments exceeded kda max_segs="
-                                           f"{metrics['max_segs']} (train.overflow_policy=halt); raise kernel.max_segs"
-                                           " or use the segment-native kernel (kernel=chunked)")
-                if metrics["invalid_rows"]:
-                    log.warning("step %d: %d rows have decreasing segment ids or padding before real tokens; "
-                                "check the data pipeline", step + 1, metrics["invalid_rows"])
+                    metrics_callback(step + 1, {**{k: metrics[k] for k in METRIC_NAMES if k in metrics}, **evaluated})
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                                     tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
                 if (step + 1) % train_cfg.log_every == 0:
-                    log.info("step %d | loss %.5f | lm loss %.5f | grad norm %.3f | lr %.3e | %.0f tok/s | mfu %.3f",
-                             step + 1, metrics["loss"], metrics["lm_loss"], metrics["grad_norm"], metrics["lr"],
-                             metrics["tokens_per_s"], metrics["mfu"])
+                    log.info(_log_line(metrics))
 
+                dropped = metrics["dropped_documents"]
+                if dropped and train_cfg.overflow_policy == "halt":
+                    halt(OverflowHaltError, step, state, data_state,
+                         f"{dropped} documents ({metrics['dropped_tokens']} tokens) do not fit kernel.max_segs="
+                         f"{metrics['max_segs']} (train.overflow_policy=halt)", _OVERFLOW_FIX)
+                if dropped and not warned_overflow:
+                    warned_overflow = True
+                    log.warning("step %d: %d documents (%d tokens) do not fit kernel.max_segs=%d and were left out "
+                                "of this step (no loss, no gradient); the run counts them per step "
+                                "(dropped_documents, dropped_tokens). %s", step + 1, dropped,
+                                metrics["dropped_tokens"], metrics["max_segs"], _OVERFLOW_FIX)
+                if metrics["invalid_rows"]:
+                    log.warning("step %d: %d rows have decreasing segment ids or padding before real tokens; "
+                                "check the data pipeline", step + 1, metrics["invalid_rows"])
                 if not metrics["finite"]:
                     if train_cfg.nan_policy == "halt":
-                        # The step left params/optimizer/rng untouched: step-1 + the pre-batch data state is exact.
-                        save(step, state.replace(step=state.step - 1), data_state, wait=True)
-                        raise NonFiniteLossError(
-                            f"non-finite loss at step {step + 1} (loss={metrics['loss']}, grad_norm="
-                            f"{metrics['grad_norm']}); the state before this batch is saved at step {step} in "
-                            f"{ckpt.directory if ckpt else '(checkpointing disabled)'}. Lower the lr, check the "
-                            "data, or set train.nan_policy='skip' to drop such steps", history,
-                            step if ckpt else None)
+                        halt(NonFiniteLossError, step, state, data_state,
+                             f"non-finite loss (loss={metrics['loss']}, grad_norm={metrics['grad_norm']})",
+                             "Lower the lr, check the data, or set train.nan_policy='skip' to drop such steps")
                     skipped += 1
                     log.warning("step %d: non-finite loss %s, update skipped", step + 1, metrics["loss"])
 
                 if guard.should_stop():
                     save(step + 1, state, iterator.get_state(), wait=True)
                     preempted = True
-                    log.warning("stopped by signal after step %d; checkpoint saved", step + 1)
+                    log.warning("stopped by signal after step %d%s", step + 1, "; checkpoint saved" if ckpt else "")
                     break
                 if (step + 1) % ckpt_cfg.save_every == 0:
                     save(step + 1, state, iterator.get_state())
@@ -242,7 +275,12 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
         if ckpt is not None:
             ckpt.close()
 
-    final = {k: history[-1][k] for k in METRIC_NAMES} if history else {}
+    dropped_steps = sum(1 for h in history if h["dropped_documents"])
+    if dropped_steps:
+        log.warning("%d of %d steps left out documents beyond kernel.max_segs: %d documents, %d tokens in all",
+                    dropped_steps, len(history), sum(h["dropped_documents"] for h in history),
+                    sum(h["dropped_tokens"] for h in history))
+    final = {k: history[-1][k] for k in METRIC_NAMES if k in history[-1]} if history else {}
     last = history[-1]["step"] if history else start
     return TrainResult(final, history, start, last, preempted, skipped, saved, state, model_def, final_eval)
 

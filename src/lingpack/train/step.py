@@ -10,6 +10,12 @@ the objective and its gradient (fp32), then clip + AdamW, then the MoE expert-bi
 load counts (outside the gradient). A non-finite loss or gradient norm leaves the state unchanged except
 `step` (`metrics['finite'] == 0`), so `step - 1` is exactly the state before the bad batch; the loop halts
 or skips on it.
+
+Kernels with `max_segs` cu_seqlens slots (`kernels.kda.api.NEEDS_MAX_SEGS`) cannot hold more documents
+than that per micro-batch: `drop_overflow` turns the documents that do not fit into padding before the
+model runs, so they are out of the kernel, the loss and every gradient (MoE statistics included), and
+counted (`dropped_documents`, `dropped_tokens`). With `halt_on_overflow` such a step applies no update
+(`metrics['applied'] == 0`), like a non-finite one.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from lingpack.kernels.kda.segments import packing_stats
+from lingpack.kernels.kda import api as kda_api
+from lingpack.kernels.kda.segments import fits_max_segs, packing_stats, segment_starts
 from lingpack.parallel.context import ContextParallel, context_parallel
-from lingpack.parallel.reorder import restore_order
+from lingpack.parallel.reorder import restore_order, zigzag_permutation
 from lingpack.train import loss as loss_lib
 from lingpack.train import sharding as shard_lib
 from lingpack.train.configs import LossConfig, OptimConfig
@@ -114,11 +121,45 @@ def _moe_rate_and_weight(loss_cfg: LossConfig, model_cfg) -> tuple[float, float]
     return loss_lib.resolve_moe_weights(loss_cfg, moe_cfg)
 
 
+def kernel_max_segs(model_cfg) -> int | None:
+    """The cu_seqlens slots per micro-batch of the model's KDA kernel; None for kernels without phantom segments."""
+    if getattr(model_cfg, "kda_impl", None) not in kda_api.NEEDS_MAX_SEGS:
+        return None
+    return getattr(model_cfg, "kda_max_segs", None)
+
+
+def drop_overflow(batch: dict, max_segs: int | None, context: ContextParallel | None = None) -> tuple[dict, dict]:
+    """(batch with the documents beyond `max_segs` made padding, their counts) for [..., B, T] arrays.
+
+    Each leading index is one micro-batch (the unit the kernel flattens). Dropped documents get segment
+    id 0 in `inputs_segmentation` (no kernel slot, no MoE statistics, no attention) and in
+    `targets_segmentation` (no loss); they are the tail of the flattened micro-batch, so the ids stay valid.
+    Under zigzag context parallelism (`context.load_balance`) the tail is found in token order.
+    Counts: `dropped_documents` (segments: a document crossing a row boundary counts once per row) and
+    `dropped_tokens` (their real tokens), int32 sums over every micro-batch.
+    """
+    seg = batch["inputs_segmentation"]
+    if max_segs is None:
+        return batch, {"dropped_documents": jnp.int32(0), "dropped_tokens": jnp.int32(0)}
+    zigzag = context is not None and context.load_balance
+    ordered = restore_order(seg, context.size, axis=seg.ndim - 1) if zigzag else seg
+    rows_BT = ordered.reshape(-1, *seg.shape[-2:])
+    keep = jax.vmap(lambda s: fits_max_segs(s, max_segs))(rows_BT).reshape(seg.shape)
+    starts = jax.vmap(segment_starts)(rows_BT).reshape(seg.shape)
+    counts = {"dropped_documents": jnp.sum(starts & ~keep).astype(jnp.int32),
+              "dropped_tokens": jnp.sum((ordered != 0) & ~keep).astype(jnp.int32)}
+    if zigzag:  # back to the batch's layout
+        keep = keep.take(zigzag_permutation(seg.shape[-1], context.size), axis=seg.ndim - 1)
+    out = dict(batch, inputs_segmentation=jnp.where(keep, seg, 0),
+               targets_segmentation=jnp.where(keep, batch["targets_segmentation"], 0))
+    return out, counts
+
+
 def _packing_metrics(seg_MBT: jax.Array, model_cfg, context: ContextParallel | None = None) -> dict:
-    """Per micro-batch packing figures (what the KDA kernel sees), aggregated over the step."""
+    """Per micro-batch packing figures (what the KDA kernel is given, before any drop), aggregated over the step."""
     if context is not None and context.load_balance:  # the figures are about rows in token order
         seg_MBT = restore_order(seg_MBT, context.size, axis=2)
-    max_segs = getattr(model_cfg, "kda_max_segs", None)
+    max_segs = kernel_max_segs(model_cfg)
     chunk = getattr(model_cfg, "kda_chunk_size", 64)
     stats = jax.vmap(lambda s: packing_stats(s, max_segs=max_segs, chunk_size=chunk))(seg_MBT)
     out = {
@@ -129,10 +170,8 @@ def _packing_metrics(seg_MBT: jax.Array, model_cfg, context: ContextParallel | N
         "max_segs": jnp.int32(max_segs or 0),
     }
     if max_segs is not None:
-        out["overflow"] = jnp.sum(stats["overflow"])
         out["t_new_over_t"] = stats["t_new_over_t"][0]
     else:  # segment-native kernels: no phantom segments, the only growth is T rounded up to a chunk
-        out["overflow"] = jnp.int32(0)
         out["t_new_over_t"] = stats["native_t_over_t"][0]
     return out
 
@@ -142,26 +181,30 @@ def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict
                          context: ContextParallel | None = None):
     """(gradient of the step objective w.r.t. params in fp32, statistics summed over micro-batches, micro-batches).
 
-    The [B, T] batch becomes [M, B/M, T]; `lax.scan` runs forward + backward per micro-batch and sums
-    gradients and statistics (each micro-batch's objective share already carries its 1/M or 1/N_total).
+    The [B, T] batch becomes [M, B/M, T] (documents beyond the kernel's max_segs dropped per micro-batch,
+    see `drop_overflow`; the returned micro-batches are the originals); `lax.scan` runs forward + backward
+    per micro-batch and sums gradients and statistics (each micro-batch's objective share already carries
+    its 1/M or 1/N_total). The statistics hold the drop counts.
     `context`: the model and loss are traced under it (parallel/context.py); the batch is in its layout.
     """
     with context_parallel(context):
-        return _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings)
+        return _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings,
+                           context)
 
 
-def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings):
+def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings, context):
     M = micro_batches
     B = batch["inputs"].shape[0]
     if B % M:
         raise ValueError(f"global batch of {B} rows does not split into micro_batches={M}; choose a divisor of {B}")
     model_cfg = model_def.config
     moe_z_weight, _ = _moe_rate_and_weight(loss_cfg, model_cfg)
-    totals = loss_lib.totals(batch, getattr(model_cfg, "mtp_num_layers", 0) or 0)
     spec = shard_lib.batch_spec(mesh, rules) if mesh is not None else P()
     constrain = lambda x, sh: jax.lax.with_sharding_constraint(x, sh) if mesh is not None else x
     micro = {k: constrain(v.reshape(M, B // M, *v.shape[1:]), NamedSharding(mesh, P(None, *spec)) if mesh else None)
              for k, v in batch.items()}
+    kept, dropped = drop_overflow(micro, kernel_max_segs(model_cfg), context)
+    totals = loss_lib.totals(kept, getattr(model_cfg, "mtp_num_layers", 0) or 0)
 
     def micro_step(mb):
         def objective(params):
@@ -184,15 +227,19 @@ def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, r
     if params_shardings is not None:
         grads0 = jax.lax.with_sharding_constraint(grads0, params_shardings)
     stats0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
-    (grads, stats), _ = jax.lax.scan(body, (grads0, stats0), micro)
-    return grads, stats, micro
+    (grads, stats), _ = jax.lax.scan(body, (grads0, stats0), kept)
+    return grads, dict(stats, **dropped), micro
 
 
 def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimConfig, *, micro_batches: int,
                     mesh: Mesh | None = None, rules=None, shardings: TrainState | None = None, donate: bool = True,
-                    context: ContextParallel | None = None):
+                    context: ContextParallel | None = None, halt_on_overflow: bool = False):
     """Jitted `step(state, batch) -> (state, metrics)`; `batch` holds global [B, T] int32 arrays (in
-    `context`'s token layout when context parallelism is on)."""
+    `context`'s token layout when context parallelism is on).
+
+    The update is applied when the loss and gradient norm are finite and, with `halt_on_overflow`, no
+    document was dropped; otherwise only `step` advances (`metrics['applied'] == 0`).
+    """
     tx = make_optimizer(optim_cfg)
     lr_fn = learning_rate(optim_cfg)
     model_cfg = model_def.config
@@ -215,14 +262,16 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
 
         loss_metrics = loss_lib.metrics(stats, loss_cfg, num_micro_batches=M)
         finite = jnp.isfinite(loss_metrics["loss"]) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # bad step: no change
-        new_state = TrainState(step=state.step + 1, updates=state.updates + finite.astype(jnp.int32),
+        applied = finite & (stats["dropped_documents"] == 0) if halt_on_overflow else finite
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)  # bad step: no change
+        new_state = TrainState(step=state.step + 1, updates=state.updates + applied.astype(jnp.int32),
                                params=keep(new_params, state.params), rest=keep(new_rest, state.rest),
                                opt_state=keep(new_opt, state.opt_state),
                                rng=keep(jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)),
                                         state.rng))
         metrics = dict(loss_metrics, grad_norm=grad_norm, lr=lr_fn(state.updates), finite=finite.astype(jnp.int32),
-                       tokens=jnp.int32(batch["inputs"].size),
+                       applied=applied.astype(jnp.int32), tokens=jnp.int32(batch["inputs"].size),
+                       dropped_documents=stats["dropped_documents"], dropped_tokens=stats["dropped_tokens"],
                        **_packing_metrics(micro["inputs_segmentation"], model_cfg, context))
         return new_state, metrics
 
@@ -240,11 +289,13 @@ def eval_loss(model_def: ModelDef, state: TrainState, batch: dict, loss_cfg: Los
     moe_z_weight, _ = _moe_rate_and_weight(loss_cfg, model_cfg)
     depths = getattr(model_cfg, "mtp_num_layers", 0) or 0
     B = batch["inputs"].shape[0]
-    totals = loss_lib.totals(batch, depths)
+    micro = {k: jnp.asarray(v).reshape(micro_batches, B // micro_batches, *v.shape[1:]) for k, v in batch.items()}
+    micro, _ = drop_overflow(micro, kernel_max_segs(model_cfg))
+    totals = loss_lib.totals(micro, depths)
     model = model_def.merge(state.params, state.rest)
     stats_sum = None
     for m in range(micro_batches):
-        mb = {k: v[m * B // micro_batches:(m + 1) * B // micro_batches] for k, v in batch.items()}
+        mb = {k: v[m] for k, v in micro.items()}
         out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
         _, stats = loss_lib.micro_batch_loss(out.logits_BTV, list(out.mtp_logits), out.moe_aux, mb, loss_cfg, totals,
                                              num_micro_batches=micro_batches, moe_z_loss_weight=moe_z_weight)

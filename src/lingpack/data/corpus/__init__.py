@@ -16,7 +16,7 @@ import os
 import uuid
 
 from lingpack.data.indexed import bin_path, exists, idx_path
-from lingpack.data.preprocess import preprocess
+from lingpack.data.preprocess import preprocess, record_path
 from lingpack.data.tokenizer import BYTE_EOD_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE, ByteTokenizer
 
 CORPUS_FILE = os.path.join(os.path.dirname(__file__), "shakespeare.jsonl.gz")
@@ -61,5 +61,6 @@ def bundled_corpus_prefix(cache_dir: str, unit: str = "scene") -> str:
         os.remove(source)
     # .bin first, then .idx: `exists` (which needs both) never sees a half-written pair.
     os.replace(bin_path(temporary), bin_path(prefix))
+    os.replace(record_path(temporary), record_path(prefix))
     os.replace(idx_path(temporary), idx_path(prefix))
     return prefix

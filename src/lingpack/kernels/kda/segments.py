@@ -16,8 +16,9 @@ Conventions chosen here (documented because the seed RFC's algorithm differs):
   `cu_seqlens[-1] == B*T` as FLA requires and never changes a real token's result;
 * on overflow (`num_segments > max_segs`) `cu_seqlens[max_segs]` is the start of the first segment
   that did not fit, so the overflowing tokens lie outside every span: they are dropped, never merged
-  into the last slot. Eagerly this raises; under jit the count is returned and `packing_stats`
-  reports `overflow` for the training loop to log or halt on.
+  into the last slot (their outputs are zero). Eagerly this raises; under jit the count is returned.
+  The training step never lets it come to that: `fits_max_segs` marks the documents that fit, and
+  `train.step.drop_overflow` makes the rest padding before the model runs (out of loss and gradients).
 """
 
 from __future__ import annotations
@@ -122,6 +123,18 @@ def segment_ids_to_cu_seqlens(segment_ids: jax.Array, max_segs: int) -> tuple[ja
     (start_pos,) = jnp.nonzero(starts_flat, size=max_segs + 1, fill_value=total)
     cu_seqlens = jnp.concatenate([jnp.zeros((1,), jnp.int32), start_pos[1:].astype(jnp.int32)])
     return cu_seqlens, count
+
+
+def fits_max_segs(segment_ids: jax.Array, max_segs: int) -> jax.Array:
+    """bool [B, T]: the token belongs to one of the first `max_segs` segments of the flattened batch.
+
+    These are the segments the aligned kernels give a cu_seqlens slot; the rest (the tail of the
+    flattened stream: the end of one row and every row after it) overflow. Padding follows the
+    segment before it. Traceable; the training step turns the overflow into padding before the model.
+    """
+    B, T = segment_ids.shape
+    rank = jnp.cumsum(segment_starts(segment_ids).reshape(-1)).reshape(B, T)  # 1-based segment index
+    return rank <= max_segs
 
 
 def aligned_length(total_tokens: int, max_segs: int, chunk_size: int) -> int:

@@ -220,7 +220,7 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 dt = time.perf_counter() - t0
                 metrics.update(step=step + 1, step_time_s=dt, tokens_per_s=metrics["tokens"] / dt,
                                data_fingerprint=fingerprint)
-                if peak:
+                if peak and step_flops:  # no mfu without a peak or without the model's FLOP count
                     metrics["mfu"] = step_flops / dt / (peak * jax.device_count())
                 evaluated = {}
                 if evaluators and (step + 1) % train_cfg.eval_every == 0:  # Megatron's eval_interval

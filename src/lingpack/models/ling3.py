@@ -20,7 +20,7 @@ Logical axis names on parameters (mapped to mesh axes by `train/sharding.py`):
 without weight decay: norm weights, `A_log`, `dt_bias`; `ExpertBias` variables are not parameters at all.
 
 Depth: with `scan_layers`, the whole (interval - 1) KDA + 1 MLA cycles of MoE layers live stacked in
-`cycles` (models/stack.py) and run under `nnx.scan`; the layers before the first such cycle (the dense
+`cycles` (models/stack.py) and run under `lax.scan`; the layers before the first such cycle (the dense
 ones' cycle) and after the last stay unrolled in `layers`. `layer_location(i)` finds layer i's weights.
 The weights are built unrolled first, so a scanned and an unrolled model of one seed are the same model.
 """
@@ -74,7 +74,7 @@ class Ling3Config:
     attention_block_size: int = 128
     remat: bool = False
     remat_policy: str = "nothing_saveable"   # with remat: see REMAT_POLICIES
-    scan_layers: bool = True                 # nnx.scan over repeated layer cycles (compile time flat in depth)
+    scan_layers: bool = True                 # scan over repeated layer cycles (compile time flat in depth)
     tie_embeddings: bool = False
     kda: KDAConfig = KDAConfig()
     mla: MLAConfig = MLAConfig()

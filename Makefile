@@ -25,6 +25,7 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) experiments/bench_kda.py
+	$(PY) experiments/bench_train.py
 
 check-results: $(STAMP)
 	$(PY) experiments/check_results.py

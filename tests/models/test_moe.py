@@ -8,7 +8,7 @@ import pytest
 import torch
 from flax import nnx
 
-from lingpack.models.moe import MoE, MoEConfig, route, update_expert_bias
+from lingpack.models.moe import MoE, MoEConfig, route, tiled_grouped_matmul, update_expert_bias
 
 CFG = MoEConfig(num_experts=8, top_k=3, expert_dim=16, num_shared_experts=1, n_groups=4, topk_groups=2,
                 routed_scaling_factor=2.5, norm_topk_prob=False)
@@ -25,8 +25,9 @@ def _model(cfg=CFG, D=24, seed=0):
     return moe
 
 
-def test_dispatch_equals_dense_loop_over_experts():
-    moe = _model()
+@pytest.mark.parametrize("grouped_matmul", ["tiled", "ragged_dot"])
+def test_dispatch_equals_dense_loop_over_experts(grouped_matmul):
+    moe = _model(dataclasses.replace(CFG, grouped_matmul=grouped_matmul))
     x = jax.random.normal(jax.random.key(5), (2, 13, 24))
     y, aux = moe(x)
     x_ND = x.reshape(-1, 24)
@@ -109,3 +110,18 @@ def test_bias_update_moves_load_toward_balance():
     assert imbalance[0] > 1.5, imbalance[0]                  # the test starts unbalanced
     assert imbalance[-1] < 0.6 * imbalance[0], (imbalance[0], imbalance[-1])
     assert abs(float(moe.expert_bias[...].mean())) < 1e-6   # re-centred
+
+
+@pytest.mark.parametrize("sizes", [[0, 10, 1, 26, 0], [40, 0, 0], [8, 8, 8]])  # empty groups, whole tiles
+def test_tiled_grouped_matmul_equals_ragged_dot(sizes):
+    rng = np.random.default_rng(len(sizes))
+    M, E = sum(sizes), len(sizes)
+    x = jnp.asarray(rng.standard_normal((M, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((E, 8, 6)), jnp.float32)
+    groups = jnp.asarray(sizes, jnp.int32)
+    tiled = lambda x, w: tiled_grouped_matmul(x, w, groups, tile=8)
+    ragged = lambda x, w: jax.lax.ragged_dot(x, w, groups)
+    np.testing.assert_allclose(tiled(x, w), ragged(x, w), atol=1e-5, rtol=1e-5)
+    grads = lambda f: jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))(x, w)
+    for a, b in zip(grads(tiled), grads(ragged)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

@@ -57,7 +57,7 @@ def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     assert stopped["status"] == "preempted" and 1 <= k < 500
     assert "packing_parity_rel" not in stopped and not (run_dir / "loss.png").exists()  # no checks after a signal
     console = out + err
-    assert "[absl][INFO]" not in console and "| mfu" not in console   # CPU peak unknown: no mfu shown
+    assert "[absl][INFO]" not in console and "| mfu" in console   # CPU: mfu against the measured matmul ceiling
     assert console.count("step 1 | loss") == 1                      # one line per logged step
     assert console.count("kernel chunked (chunk 64, segment-native)") == 1
 

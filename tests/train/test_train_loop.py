@@ -41,7 +41,7 @@ def straight(tmp_path_factory):
 def test_metrics_contract(straight):
     assert len(straight.history) == N and straight.last_step == N and not straight.preempted
     assert set(loop_lib.METRIC_NAMES) - {"mfu"} <= set(straight.final_metrics)
-    assert "mfu" not in straight.final_metrics     # CPU peak FLOP/s unknown: no made-up mfu
+    assert "mfu" not in straight.final_metrics     # the stand-in model has no FLOP count: no made-up mfu
     first = straight.history[0]
     assert first["lr"] == 0.0 and straight.history[2]["lr"] == pytest.approx(OPTIM.lr)   # Megatron warmup from 0
     assert first["tokens"] == DATA.global_batch_size * DATA.seq_length

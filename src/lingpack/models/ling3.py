@@ -16,8 +16,13 @@ Logical axis names on parameters (mapped to mesh axes by `train/sharding.py`):
   exp      experts (router columns, expert weights, expert bias)
   norm     norm weights
   conv     short-convolution taps
-`None` marks a replicated axis (MTP's eh_proj input). Parameters without weight decay: norm weights,
-`A_log`, `dt_bias`; `ExpertBias` variables are not parameters at all (see moe.py).
+`None` marks a replicated axis (MTP's eh_proj input, the layer-stack axes of scanned cycles). Parameters
+without weight decay: norm weights, `A_log`, `dt_bias`; `ExpertBias` variables are not parameters at all.
+
+Depth: with `scan_layers`, the whole (interval - 1) KDA + 1 MLA cycles of MoE layers live stacked in
+`cycles` (models/stack.py) and run under `lax.scan`; the layers before the first such cycle (the dense
+ones' cycle) and after the last stay unrolled in `layers`. `layer_location(i)` finds layer i's weights.
+The weights are built unrolled first, so a scanned and an unrolled model of one seed are the same model.
 """
 
 from __future__ import annotations
@@ -37,6 +42,15 @@ from lingpack.models.layers import DEFAULT_INIT, RMSNorm, as_dtype, partitioned
 from lingpack.models.mla import MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
 from lingpack.models.mtp import MTPConfig, MTPLayer, roll_and_mask_by_segment
+from lingpack.models.stack import STACKED_AXES, LayerCycles
+
+# What a remat'ed layer keeps for the backward pass (jax.checkpoint_policies); the rest is recomputed.
+REMAT_POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,            # least memory: recompute all
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,                  # keep matmul outputs
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,      # remat in name only
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +72,8 @@ class Ling3Config:
     attention_impl: str = "dot_product"
     attention_block_size: int = 128
     remat: bool = False
+    remat_policy: str = "nothing_saveable"   # with remat: see REMAT_POLICIES
+    scan_layers: bool = True                 # scan over repeated layer cycles (compile time flat in depth)
     tie_embeddings: bool = False
     kda: KDAConfig = KDAConfig()
     mla: MLAConfig = MLAConfig()
@@ -78,6 +94,8 @@ class Ling3Config:
             raise ValueError(f"unknown kda_impl {self.kda_impl!r}; valid choices: {list(kda_api.names())}")
         if kda_api.needs_max_segs(self.kda_impl) and not self.kda_max_segs:
             raise ValueError(f"kda_impl={self.kda_impl!r} needs kda_max_segs (the most documents per batch); set it")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat_policy {self.remat_policy!r}; valid choices: {list(REMAT_POLICIES)}")
         as_dtype(self.dtype), as_dtype(self.param_dtype)
 
     def layer_kinds(self) -> list[tuple[str, str]]:
@@ -85,6 +103,14 @@ class Ling3Config:
         interval = self.inhomogeneous_layer_cycle_interval
         return [("mla" if (i + 1) % interval == 0 else "kda", "dense" if i < self.first_dense_layers else "moe")
                 for i in range(self.num_layers)]
+
+    def scanned_layers(self) -> tuple[int, int]:
+        """(first scanned layer, number of scanned cycles): whole MoE cycles from the first one after the dense
+        layers; none unless there are at least two (one cycle compiles no faster scanned)."""
+        interval = self.inhomogeneous_layer_cycle_interval
+        start = -(-self.first_dense_layers // interval) * interval
+        cycles = max(0, self.num_layers - start) // interval
+        return start, (cycles if self.scan_layers and cycles >= 2 else 0)
 
     def layer_spec(self, mixer: str, ffn: str) -> LayerSpec:
         kernel = KDAKernel(self.kda_impl, self.kda_chunk_size, self.kda_max_segs, self.kda_interpret)
@@ -108,7 +134,11 @@ class Ling3(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                                       embedding_init=partitioned(DEFAULT_INIT, ("vocab", "embed")))
-        self.layers = nnx.List([DecoderLayer(cfg.layer_spec(m, f), **kw) for m, f in cfg.layer_kinds()])
+        layers = [DecoderLayer(cfg.layer_spec(m, f), **kw) for m, f in cfg.layer_kinds()]
+        start, cycles = cfg.scanned_layers()
+        stop = start + cycles * cfg.inhomogeneous_layer_cycle_interval
+        self.layers = nnx.List(layers[:start] + layers[stop:] if cycles else layers)  # the unrolled ones
+        self.cycles = LayerCycles(layers[start:stop], cfg.inhomogeneous_layer_cycle_interval) if cycles else None
         self.norm = RMSNorm(cfg.emb_dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(partitioned(DEFAULT_INIT, ("embed", "vocab"))(
@@ -116,10 +146,21 @@ class Ling3(nnx.Module):
         mtp_ffn = "moe" if cfg.mtp.use_moe else "dense"
         self.mtp_layers = nnx.List([MTPLayer(cfg.layer_spec("mla", mtp_ffn), **kw) for _ in range(cfg.mtp_num_layers)])
 
-    def moe_layers(self) -> list[MoE]:
-        """MoE modules in `moe_aux` stacking order: main layers, then MTP layers."""
-        blocks = list(self.layers) + [m.block for m in self.mtp_layers]
-        return [b.mlp for b in blocks if b.ffn == "moe"]
+    def layer_location(self, i: int) -> tuple[DecoderLayer, tuple[int, ...]]:
+        """(module holding main layer i, index into its stack axes: () for an unrolled layer)."""
+        start, cycles = self.cfg.scanned_layers()
+        stop = start + cycles * self.cfg.inhomogeneous_layer_cycle_interval
+        if not 0 <= i < self.cfg.num_layers:
+            raise IndexError(f"layer {i} out of range for num_layers={self.cfg.num_layers}")
+        if start <= i < stop:
+            return self.cycles.layer(i - start)
+        return self.layers[i if i < start else i - (stop - start)], ()
+
+    def moe_layers(self) -> list[tuple[MoE, tuple[int, ...]]]:
+        """(MoE module, stack index) in `moe_aux` stacking order: main layers, then MTP layers."""
+        located = [self.layer_location(i) for i in range(self.cfg.num_layers)]
+        located += [(m.block, ()) for m in self.mtp_layers]
+        return [(block.mlp, index) for block, index in located if block.ffn == "moe"]
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         """Final norm, then fp32 logits (fp32 weights and product: softmax over a large vocab needs it)."""
@@ -139,31 +180,51 @@ class Ling3(nnx.Module):
         segment_ids_BT = segment_ids_BT.astype(jnp.int32)
 
         def run(layer, *args):
-            return layer(*args)
-        run = nnx.remat(run) if self.cfg.remat else run
+            if not self.cfg.remat:
+                return layer(*args)
+            # jax.checkpoint over the split (pure) layer: a layer call mutates nothing, and nnx.remat's
+            # write-back fails on variables made at an outer trace level (a model merged under jit, then grad)
+            graphdef, state = nnx.split(layer)
+            call = lambda state, *args: nnx.merge(graphdef, state)(*args)
+            return jax.checkpoint(call, policy=REMAT_POLICIES[self.cfg.remat_policy])(state, *args)
 
         emb_BTD = self.embed_tokens(inputs_BT) if input_embeddings_BTD is None else input_embeddings_BTD
         x = emb_BTD
-        aux = []
-        for layer in self.layers:
-            x, layer_aux = run(layer, x, segment_ids_BT, positions_BT)
-            aux.append(layer_aux)
+        aux = []  # per-layer MoE statistics, each with a leading layer axis
+        stages = list(self.layers)
+        if self.cycles is not None:
+            start, _ = self.cfg.scanned_layers()
+            stages = stages[:start] + [self.cycles] + stages[start:]
+        for stage in stages:
+            if stage is self.cycles:
+                x, stacked_aux = stage(x, segment_ids_BT, positions_BT, run)
+            else:
+                x, layer_aux = run(stage, x, segment_ids_BT, positions_BT)
+                stacked_aux = None if layer_aux is None else jax.tree.map(lambda a: a[None], layer_aux)
+            aux.append(stacked_aux)
         logits = self.logits(x)
 
         mtp_logits, h, rolled_BTD = [], x, emb_BTD
         for mtp_layer in self.mtp_layers:
             rolled_BTD = roll_and_mask_by_segment(rolled_BTD, segment_ids_BT)  # embedding of token t + 1 + d
             h, layer_aux = run(mtp_layer, h, rolled_BTD, segment_ids_BT, positions_BT)
-            aux.append(layer_aux)
+            aux.append(None if layer_aux is None else jax.tree.map(lambda a: a[None], layer_aux))
             mtp_logits.append(self.logits(h))
         return Ling3Output(logits, mtp_logits, _stack_aux(aux, self.cfg.moe.num_experts), x)
 
 
 def _stack_aux(aux: list, num_experts: int) -> dict:
+    """Concatenate the per-stage statistics (each [layers, ...], None for dense layers) in layer order."""
     aux = [a for a in aux if a is not None]
     if not aux:
         return {"router_z_loss": jnp.zeros((0,)), "load_counts": jnp.zeros((0, num_experts)), "num_tokens": jnp.zeros((0,))}
-    return {k: jnp.stack([a[k] for a in aux]) for k in aux[0]}
+    return {k: jnp.concatenate([a[k] for a in aux]) for k in aux[0]}
+
+
+def stacked_axes(path) -> int:
+    """Leading layer-stack axes of the parameter at `path` (keys of the params tree): 0 unless under `cycles`."""
+    keys = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+    return STACKED_AXES.get(keys[1], 0) if len(keys) > 1 and keys[0] == "cycles" else 0
 
 
 def count_params(cfg: Ling3Config) -> int:

@@ -4,8 +4,10 @@ Routing (fp32): `scores = sigmoid(x @ router)`; experts are CHOSEN by `scores + 
 auxiliary-loss-free balancing bias), optionally limited to the `topk_groups` best of `n_groups` groups
 (a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the unbiased
 scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
-Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls
-(`jax.lax.ragged_dot`), so no token is ever dropped. Shared experts see every token.
+Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
+token is ever dropped: `jax.lax.ragged_dot` on accelerators, `tiled_grouped_matmul` on CPU, where
+ragged_dot computes every row against every expert (E times the work; bench_train.py measured it).
+Shared experts see every token.
 
 `expert_bias` is an `ExpertBias` variable, not an `nnx.Param`: gradients never reach it; it moves only
 through `update_expert_bias` (outside the gradient), from the per-expert load counts each call returns.
@@ -36,6 +38,7 @@ class MoEConfig:
     norm_topk_prob: bool = False
     bias_update_rate: float = 1e-3        # used by the training loop's `update_expert_bias` call
     z_loss_coef: float = 0.0              # Ling3: 2.9e-6; the loss module scales `router_z_loss` by it
+    grouped_matmul: str = "auto"          # "ragged_dot", "tiled", or "auto" (tiled on CPU, else ragged_dot)
 
     def __post_init__(self):
         E, G = self.num_experts, self.n_groups
@@ -47,9 +50,38 @@ class MoEConfig:
             raise ValueError(f"moe: topk_groups={self.topk_groups} must lie in [1, n_groups={G}]")
         if G > 1 and E // G < 2:
             raise ValueError(f"moe: group scores sum each group's 2 best experts; num_experts/n_groups = {E // G} < 2")
+        if self.grouped_matmul not in GROUPED_MATMULS:
+            raise ValueError(f"moe.grouped_matmul must be one of {GROUPED_MATMULS}; got {self.grouped_matmul!r}")
         if self.topk_groups * (E // G) < self.top_k:
             raise ValueError(f"moe: the {self.topk_groups} kept groups hold {self.topk_groups * (E // G)} experts,"
                              f" fewer than top_k={self.top_k}; raise topk_groups")
+
+
+GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+TILE_ROWS = 32  # rows per tile of `tiled_grouped_matmul`: at most E * (TILE_ROWS - 1) filler rows per call
+
+
+def tiled_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: jax.Array, *, tile: int = TILE_ROWS,
+                         preferred_element_type=None) -> jax.Array:
+    """`ragged_dot` semantics (rows sorted by group; group e's rows times w[e]) as tiles of one expert each.
+
+    Each group's rows are padded to whole tiles of `tile` rows (filler rows are zero and dropped again),
+    so one batched matmul [tiles, tile, D] x [tiles, D, I] does the work with per-tile expert weights.
+    The tile count is static: ceil(M / tile) + E bounds sum_e ceil(size_e / tile).
+    """
+    M, D = x_MD.shape
+    E = w_EDI.shape[0]
+    n_tiles = -(-M // tile) + E
+    padded_E = (group_sizes_E + tile - 1) // tile * tile
+    padded_start_E = jnp.cumsum(padded_E) - padded_E
+    start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+    expert_M = jnp.repeat(jnp.arange(E), group_sizes_E, total_repeat_length=M)
+    dest_M = padded_start_E[expert_M] + jnp.arange(M) - start_E[expert_M]
+    x_tiles = jnp.zeros((n_tiles * tile, D), x_MD.dtype).at[dest_M].set(x_MD).reshape(n_tiles, tile, D)
+    # tile t belongs to the expert whose padded range holds row t * tile; unused tiles (zero rows) take E - 1
+    tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(n_tiles) * tile, side="right"), E - 1)
+    y_tiles = jnp.einsum("tsd,tdi->tsi", x_tiles, w_EDI[tile_expert], preferred_element_type=preferred_element_type)
+    return y_tiles.reshape(n_tiles * tile, -1)[dest_M]
 
 
 class ExpertBias(nnx.Variable):
@@ -96,8 +128,10 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat_expert, stable=True)
         x_sorted = x_ND[order // k].astype(self.dtype)
         group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
-        mm = lambda a, w: jax.lax.ragged_dot(a, w[...].astype(self.dtype), group_sizes,
-                                             preferred_element_type=jnp.float32)  # fp32 accumulation for bf16
+        tiled = self.cfg.grouped_matmul == "tiled" or (self.cfg.grouped_matmul == "auto" and jax.default_backend() == "cpu")
+        grouped = tiled_grouped_matmul if tiled else jax.lax.ragged_dot
+        mm = lambda a, w: grouped(a, w[...].astype(self.dtype), group_sizes,
+                                  preferred_element_type=jnp.float32)  # fp32 accumulation for bf16
         h = jax.nn.silu(mm(x_sorted, self.wi_gate)) * mm(x_sorted, self.wi_up)
         y_sorted = mm(h.astype(self.dtype), self.wo)
         y_NKD = jnp.zeros((N * k, D), jnp.float32).at[order].set(y_sorted).reshape(N, k, D)
@@ -127,12 +161,15 @@ def update_expert_bias(model, load_counts, rate: float) -> None:
     """bias += rate * sign(mean_load - load), then re-centred to mean 0; in place, outside the gradient.
 
     `model` is a MoE, or any module with `moe_layers()` (Ling3) whose order matches the stacking of
-    `load_counts` [num_moe_layers, E] (as returned in `Ling3Output.moe_aux["load_counts"]`).
+    `load_counts` [num_moe_layers, E] (as returned in `Ling3Output.moe_aux["load_counts"]`). Its entries
+    are MoE modules or (MoE, index) pairs: `index` picks one layer of a layer-stacked (scanned) MoE.
     """
     layers = model.moe_layers() if hasattr(model, "moe_layers") else [model]
+    layers = [entry if isinstance(entry, tuple) else (entry, ()) for entry in layers]
     load_counts = jnp.asarray(load_counts, jnp.float32).reshape(len(layers), -1)
-    for moe, load_E in zip(layers, load_counts):
-        if load_E.shape != moe.expert_bias.shape:
-            raise ValueError(f"load_counts rows must have {moe.expert_bias.shape[0]} experts; got {load_E.shape}")
-        bias = moe.expert_bias[...] + rate * jnp.sign(jnp.mean(load_E) - load_E)  # underloaded experts rise
-        moe.expert_bias[...] = bias - jnp.mean(bias)
+    for (moe, index), load_E in zip(layers, load_counts):
+        bias_E = moe.expert_bias[...][index]
+        if load_E.shape != bias_E.shape:
+            raise ValueError(f"load_counts rows must have {bias_E.shape[0]} experts; got {load_E.shape}")
+        bias_E = bias_E + rate * jnp.sign(jnp.mean(load_E) - load_E)  # underloaded experts rise
+        moe.expert_bias[...] = moe.expert_bias[...].at[index].set(bias_E - jnp.mean(bias_E))

@@ -16,6 +16,8 @@ Port differences handled here (transformers `models/kimi_linear/modeling_kimi_li
   `e_score_correction_bias` <-> `expert_bias`.
 * linear weights are `[out, in]` there, kernels `[in, out]` here. MTP layers have no counterpart:
   `to_hf_state_dict` skips them, `load_hf_state_dict` leaves them untouched.
+* scanned layers (`Ling3Config.scan_layers`) hold layer i as one slice of stacked weights:
+  `Ling3.layer_location(i)` gives the module and the slice, so the table is the same.
 """
 
 from __future__ import annotations
@@ -102,63 +104,70 @@ T = lambda a: np.swapaxes(a, -1, -2)  # [in, out] <-> [out, in]
 
 
 def _pairs(model: Ling3):
-    """(lingpack path, hf name, to_hf(list of arrays) -> array) for every tensor; fused tensors list several paths."""
+    """(lingpack (path, stack index) list, hf name, to_hf(list of arrays) -> array) for every tensor;
+    fused tensors list several paths. A path starts at the model or, for a layer, at its module."""
     cfg = model.cfg
-    yield [("embed_tokens", "embedding")], "model.embed_tokens.weight", lambda a: a
-    yield [("norm", "weight")], "model.norm.weight", lambda a: a
+    top = lambda *path: (model, path, ())
+    yield [top("embed_tokens", "embedding")], "model.embed_tokens.weight", lambda a: a
+    yield [top("norm", "weight")], "model.norm.weight", lambda a: a
     if not cfg.tie_embeddings:
-        yield [("lm_head",)], "lm_head.weight", T
-    for i, layer in enumerate(model.layers):
-        ours, hf = ("layers", i), f"model.layers.{i}."
+        yield [top("lm_head")], "lm_head.weight", T
+    for i, (mixer, ffn) in enumerate(cfg.layer_kinds()):
+        layer, index = model.layer_location(i)
+        hf = f"model.layers.{i}."
+        ours = lambda *path: (layer, path, index)
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            yield [ours + (norm, "weight")], hf + norm + ".weight", lambda a: a
-        attn, hf_attn = ours + ("self_attn",), hf + "self_attn."
-        if layer.mixer == "kda":
+            yield [ours(norm, "weight")], hf + norm + ".weight", lambda a: a
+        attn = lambda *path: ours("self_attn", *path)
+        hf_attn = hf + "self_attn."
+        if mixer == "kda":
             for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj"):
-                yield [attn + (name, "kernel")], hf_attn + name + ".weight", T
+                yield [attn(name, "kernel")], hf_attn + name + ".weight", T
             for name in ("f_a_proj", "f_b_proj"):
-                yield [attn + (name, "kernel")], hf_attn + "forget_gate." + name + ".weight", T
-            yield [attn + ("o_norm", "weight")], hf_attn + "o_norm.weight", lambda a: a
-            yield [attn + ("A_log",)], hf_attn + "forget_gate.A_log", lambda a: a.reshape(1, 1, -1, 1)
-            yield [attn + ("dt_bias",)], hf_attn + "forget_gate.dt_bias", lambda a: a
-            convs = [attn + (c, "kernel") for c in ("q_conv", "k_conv", "v_conv")]
+                yield [attn(name, "kernel")], hf_attn + "forget_gate." + name + ".weight", T
+            yield [attn("o_norm", "weight")], hf_attn + "o_norm.weight", lambda a: a
+            yield [attn("A_log")], hf_attn + "forget_gate.A_log", lambda a: a.reshape(1, 1, -1, 1)
+            yield [attn("dt_bias")], hf_attn + "forget_gate.dt_bias", lambda a: a
+            convs = [attn(c, "kernel") for c in ("q_conv", "k_conv", "v_conv")]
             yield convs, hf_attn + "conv1d.weight", lambda q, k, v: np.concatenate([q, k, v], axis=1).T[:, None, :]
         else:
             names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] + (
                 ["q_a_proj", "q_b_proj"] if cfg.mla.q_lora_rank else ["q_proj"])
             for name in names:
-                yield [attn + (name, "kernel")], hf_attn + name + ".weight", T
+                yield [attn(name, "kernel")], hf_attn + name + ".weight", T
             norms = ["kv_a_layernorm"] + (["q_a_layernorm"] if cfg.mla.q_lora_rank else [])
             for name in norms:
-                yield [attn + (name, "weight")], hf_attn + name + ".weight", lambda a: a
-        mlp, hf_mlp = ours + ("mlp",), hf + "mlp."
+                yield [attn(name, "weight")], hf_attn + name + ".weight", lambda a: a
+        mlp = lambda *path: ours("mlp", *path)
+        hf_mlp = hf + "mlp."
         dense_names = ("gate_proj", "up_proj", "down_proj")
-        if layer.ffn == "dense":
+        if ffn == "dense":
             for name in dense_names:
-                yield [mlp + (name, "kernel")], hf_mlp + name + ".weight", T
+                yield [mlp(name, "kernel")], hf_mlp + name + ".weight", T
             continue
-        yield [mlp + ("router",)], hf_mlp + "gate.weight", T
-        yield [mlp + ("expert_bias",)], hf_mlp + "gate.e_score_correction_bias", lambda a: a
-        yield [mlp + ("wi_gate",), mlp + ("wi_up",)], hf_mlp + "experts.gate_up_proj", \
+        yield [mlp("router")], hf_mlp + "gate.weight", T
+        yield [mlp("expert_bias")], hf_mlp + "gate.e_score_correction_bias", lambda a: a
+        yield [mlp("wi_gate"), mlp("wi_up")], hf_mlp + "experts.gate_up_proj", \
             lambda g, u: np.concatenate([T(g), T(u)], axis=1)
-        yield [mlp + ("wo",)], hf_mlp + "experts.down_proj", T
-        if layer.mlp.shared_experts is not None:
+        yield [mlp("wo")], hf_mlp + "experts.down_proj", T
+        if cfg.moe.num_shared_experts:
             for name in dense_names:
-                yield [mlp + ("shared_experts", name, "kernel")], hf_mlp + "shared_experts." + name + ".weight", T
+                yield [mlp("shared_experts", name, "kernel")], hf_mlp + "shared_experts." + name + ".weight", T
 
 
-def _variable(model, path):
-    node = model
+def _variable(where):
+    """(variable, stack index) for a (module, attribute path, stack index) triple."""
+    node, path, index = where
     for part in path:
-        node = node[part] if isinstance(part, int) else getattr(node, part)
-    return node
+        node = getattr(node, part)
+    return node, index
 
 
 def to_hf_state_dict(model: Ling3) -> dict[str, np.ndarray]:
     """fp32 numpy tensors keyed by transformers' parameter names (MTP layers are skipped)."""
     out = {}
     for paths, name, fn in _pairs(model):
-        arrays = [np.asarray(_variable(model, p)[...], np.float32) for p in paths]
+        arrays = [np.asarray(var[...][index], np.float32) for var, index in map(_variable, paths)]
         out[name] = np.ascontiguousarray(fn(*arrays))
     return out
 
@@ -170,13 +179,14 @@ def load_hf_state_dict(model: Ling3, state_dict) -> None:
     for paths, name, fn in _pairs(model):
         if name not in sd:
             raise KeyError(f"transformers state dict lacks {name!r}; is it a KimiLinearForCausalLM matching this config?")
-        variables = [_variable(model, p) for p in paths]
-        expected = fn(*[np.zeros(v.shape, np.float32) for v in variables]).shape
+        located = [_variable(p) for p in paths]
+        shapes = [var[...][index].shape for var, index in located]
+        expected = fn(*[np.zeros(shape, np.float32) for shape in shapes]).shape
         if sd[name].shape != expected:
             raise ValueError(f"{name}: transformers shape {sd[name].shape} != {expected} expected from the lingpack config")
-        parts = _split(sd[name], name, [v.shape for v in variables])
-        for var, part in zip(variables, parts):
-            var[...] = jnp.asarray(part, var[...].dtype)
+        parts = _split(sd[name], name, shapes)
+        for (var, index), part in zip(located, parts):
+            var[...] = var[...].at[index].set(jnp.asarray(part, var[...].dtype))
 
 
 def _split(array, name: str, shapes):

@@ -204,7 +204,7 @@ class TrainConfig:
 
     nan_policy: "halt" (save a checkpoint of the last good state, then stop with an error message) or
         "skip" (drop the update, keep going). peak_flops_per_device: for the MFU estimate; None looks the
-        device kind up in a small table (unknown kinds report no mfu). progress_bar: tqdm on the console.
+        device kind up in a small table (CPU: the measured matmul ceiling; unknown kinds report no mfu). progress_bar: tqdm on the console.
     eval_every / eval_batches: Megatron's eval_interval / eval_iters: every `eval_every` steps (0 = never)
         evaluate `eval_batches` global batches of the valid split, and once more at the end of the run;
         eval_test: also evaluate the test split at the end (when data.split gives it data). See evaluate.py.

@@ -188,6 +188,8 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     step_flops = flops_lib.flops_per_token(model_cfg, data_cfg.seq_length) * data_cfg.global_batch_size * data_cfg.seq_length
     log.info("mesh %s over %d %s device(s)%s", dict(mesh.shape), jax.device_count(), jax.devices()[0].device_kind,
              "" if peak else "; peak FLOP/s unknown, no mfu (set train.peak_flops_per_device)")
+    if peak and not train_cfg.peak_flops_per_device and jax.devices()[0].platform == "cpu":
+        log.info("mfu on CPU is against the measured matmul ceiling: %.1f GFLOP/s per device", peak / 1e9)
 
     history, saved, skipped, preempted, final_eval, warned_overflow = [], [], 0, False, {}, False
     bar = _progress(train_cfg, start)
@@ -229,7 +231,7 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 dt = time.perf_counter() - t0
                 metrics.update(step=step + 1, step_time_s=dt, tokens_per_s=metrics["tokens"] / dt,
                                data_fingerprint=fingerprint)
-                if peak:
+                if peak and step_flops:  # no mfu without a peak or without the model's FLOP count
                     metrics["mfu"] = step_flops / dt / (peak * jax.device_count())
                 evaluated = {}
                 if evaluators and (step + 1) % train_cfg.eval_every == 0:  # Megatron's eval_interval

@@ -63,8 +63,13 @@ def applies_weight_decay(name: str, ndim: int) -> bool:
 
 
 def decay_mask(params):
-    """Pytree of bools: True where weight decay applies (see `applies_weight_decay`)."""
-    return jax.tree_util.tree_map_with_path(lambda path, p: applies_weight_decay(_leaf_name(path), p.ndim), params)
+    """Pytree of bools: True where weight decay applies (see `applies_weight_decay`).
+
+    The ndim rule counts a layer's own axes: scanned layers' parameters carry leading stack axes.
+    """
+    from lingpack.models.ling3 import stacked_axes
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: applies_weight_decay(_leaf_name(path), p.ndim - stacked_axes(path)), params)
 
 
 def global_norm(tree) -> jax.Array:

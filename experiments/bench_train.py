@@ -1,0 +1,273 @@
+"""Whole-model training speed: compile time, step time, tokens/s and MFU, and where a step's time goes.
+
+    python experiments/bench_train.py [--quick] [--models tiny,small,small24] [--label after]
+                                      [--out experiments/results/bench_train_<label>.json]
+
+Models: conf/model/ling3_tiny.yaml, ling3_small.yaml, `small24` = ling3_small with the flagship's 24
+layers and `small4` = ling3_small with 4 (compile time against depth). Each runs the real jitted train step (`train.step.make_train_step`: forward, backward, clip,
+AdamW, expert-bias update) on one synthetic packed batch (log-normal document lengths, some padding).
+
+* compile: seconds of `lower` + `compile` of the step (tracing included).
+* step: median wall time of the compiled step; tokens/s = B*T / step.
+* MFU: the analytic training FLOPs (`train.flops.flops_per_token`, what the step log uses) per second
+  over the matmul ceiling: a 1024^2 fp32 matmul measured in THIS run, interleaved with the steps (A B A B),
+  so machine load hits both. `xla_util` is the same with XLA's own FLOP count of the compiled step.
+* breakdown: each component (KDA mixer, MLA mixer, MoE, dense FFN, embedding + head + loss, optimizer)
+  jitted alone, forward + backward at the model's batch shape, timed the same way and multiplied by
+  how often a step runs it; also XLA's FLOP count per component. With `remat` the step recomputes each
+  layer's forward once more, which the isolated timings do not include.
+* `--moe-ab`: one MoE layer with `ragged_dot` against the tiled grouped matmul, interleaved.
+* `--hlo-ops`: operations in the lowered step, scanned and unrolled: what XLA must compile, free of load.
+Every number is a ratio or a time within this run on this machine; absolute times depend on the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from lingpack.models.block import DecoderLayer  # noqa: E402
+from lingpack.models.ling3 import Ling3, config_from_dict  # noqa: E402
+from lingpack.train import flops as flops_lib  # noqa: E402
+from lingpack.train.configs import LossConfig, OptimConfig  # noqa: E402
+from lingpack.train.loss import token_xent  # noqa: E402
+from lingpack.train.optim import make_optimizer  # noqa: E402
+from lingpack.train.step import ModelDef, init_fn, make_train_step  # noqa: E402
+
+# (config file, overrides, batch rows B, row length T): small shapes so a step takes seconds on a laptop CPU.
+MODELS = {
+    "tiny": ("ling3_tiny", {}, 8, 256),
+    "small": ("ling3_small", {}, 1, 256),
+    "small24": ("ling3_small", {"num_layers": 24}, 1, 256),
+    "small4": ("ling3_small", {"num_layers": 4}, 1, 256),   # the depth baseline of the compile-time goal
+}
+
+
+def model_config(name: str, **extra):
+    file, overrides, B, T = MODELS[name]
+    d = yaml.safe_load((ROOT / "conf" / "model" / f"{file}.yaml").read_text())
+    d.update(overrides, **extra)
+    return config_from_dict(d), B, T
+
+
+def packed_batch(B: int, T: int, vocab: int, seed: int = 0) -> dict:
+    """Rows of log-normal documents (median T/4 tokens), the last row ending in padding."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((B, T), np.int32)
+    pos = np.zeros((B, T), np.int32)
+    for b in range(B):
+        end = T - (T // 8 if b == B - 1 else 0)
+        t, doc = 0, 1
+        while t < end:
+            n = min(end - t, max(1, int(rng.lognormal(np.log(T / 4), 0.8))))
+            seg[b, t:t + n], pos[b, t:t + n] = doc, np.arange(n)
+            t, doc = t + n, doc + 1
+    tokens = rng.integers(0, vocab, (B, T + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "inputs_segmentation": seg,
+             "targets_segmentation": seg, "inputs_position": pos}
+    return {k: jnp.asarray(np.where(seg != 0, v, 0) if k in ("inputs", "targets") else v) for k, v in batch.items()}
+
+
+def interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds per function, calls interleaved (A B A B ...) so load drift hits all alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def matmul_fn(size: int = 1024):
+    a = jnp.ones((size, size), jnp.float32) / size
+    f = jax.jit(lambda x: x @ x)
+    return (lambda: jax.block_until_ready(f(a))), 2.0 * size ** 3
+
+
+def xla_flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0))
+
+
+def bench_step(cfg, B: int, T: int, repeats: int) -> dict:
+    build = lambda: Ling3(cfg, rngs=nnx.Rngs(0))
+    model_def = ModelDef.from_constructor(build, cfg)
+    optim = OptimConfig(decay_steps=1000)
+    state = jax.jit(init_fn(build, optim, 0))()
+    batch = packed_batch(B, T, cfg.vocab_size)
+    step = make_train_step(model_def, LossConfig(), optim, micro_batches=1)
+    start = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    holder = [state]
+
+    def run():
+        holder[0], metrics = compiled(holder[0], batch)
+        jax.block_until_ready(metrics)
+
+    mm, mm_flops = matmul_fn()
+    times = interleaved({"step": run, "matmul": mm}, repeats)
+    ceiling = mm_flops / times["matmul"]
+    model_flops = flops_lib.flops_per_token(cfg, T) * B * T
+    return {"B": B, "T": T, "layers": cfg.num_layers, "compile_s": compile_s, "step_s": times["step"],
+            "tokens_per_s": B * T / times["step"], "ceiling_gflops": ceiling / 1e9,
+            "model_gflop_per_step": model_flops / 1e9, "xla_gflop_per_step": xla_flops(compiled) / 1e9,
+            "mfu": model_flops / times["step"] / ceiling, "xla_util": xla_flops(compiled) / times["step"] / ceiling}
+
+
+def _fwd_bwd(module, call):
+    """Jitted (grads of params and input) of sum(call(module, x) * cotangent), with its inputs bound."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def loss(params, x):
+        y = call(nnx.merge(graphdef, params, rest), x)
+        return jnp.sum(y.astype(jnp.float32) * jnp.cos(y.astype(jnp.float32)))  # a non-trivial cotangent
+    return jax.jit(jax.grad(loss, argnums=(0, 1))), params
+
+
+def components(cfg, B: int, T: int):
+    """{name: (jitted fn, args, calls per step)} for one step of `cfg` at [B, T]."""
+    kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=nnx.Rngs(0))
+    batch = packed_batch(B, T, cfg.vocab_size)
+    seg, pos = batch["inputs_segmentation"], batch["inputs_position"]
+    x = jax.random.normal(jax.random.key(1), (B, T, cfg.emb_dim), kw["dtype"])
+    kinds = cfg.layer_kinds()
+    n_mtp, mtp_moe = cfg.mtp_num_layers, cfg.mtp.use_moe
+    counts = {"KDA mixer": sum(m == "kda" for m, _ in kinds), "MLA mixer": sum(m == "mla" for m, _ in kinds) + n_mtp,
+              "MoE (router, dispatch, experts)": sum(f == "moe" for _, f in kinds) + n_mtp * mtp_moe,
+              "dense FFN": sum(f == "dense" for _, f in kinds) + n_mtp * (not mtp_moe)}
+    out = {}
+    kda = DecoderLayer(cfg.layer_spec("kda", "dense"), **kw)
+    mla = DecoderLayer(cfg.layer_spec("mla", "moe"), **kw)
+    for name, module, call in [
+        ("KDA mixer", kda.self_attn, lambda m, x: m(x, seg)),
+        ("MLA mixer", mla.self_attn, lambda m, x: m(x, seg, pos)),
+        ("MoE (router, dispatch, experts)", mla.mlp, lambda m, x: m(x, seg)[0]),
+        ("dense FFN", kda.mlp, lambda m, x: m(x)),
+    ]:
+        if counts[name]:
+            fn, params = _fwd_bwd(module, call)
+            out[name] = (fn, (params, x), counts[name])
+
+    model = Ling3(dataclasses.replace(cfg, num_layers=1, first_dense_layers=1, mtp_num_layers=0), rngs=nnx.Rngs(0))
+    heads = 1 + n_mtp  # the main head and each MTP depth's logits + cross-entropy
+
+    def head_call(m, h):
+        xent, _ = token_xent(m.logits(h), batch["targets"])
+        return xent + m.embed_tokens(batch["inputs"]).sum(-1)  # the lookup's gradient scatters into the table
+    fn, params = _fwd_bwd(model, head_call)
+    out["embedding + head + loss"] = (fn, (params, x), heads)
+
+    full = Ling3(cfg, rngs=nnx.Rngs(0))
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), nnx.state(full, nnx.Param).to_pure_dict())
+    tx = make_optimizer(OptimConfig(decay_steps=1000))
+    opt_state = tx.init(params)
+    update = jax.jit(lambda p, s, g: optax.apply_updates(p, tx.update(g, s, p)[0]))
+    out["optimizer (clip + AdamW)"] = (update, (params, opt_state, params), 1)
+    return out
+
+
+def breakdown(cfg, B: int, T: int, repeats: int, step_s: float) -> list:
+    parts = components(cfg, B, T)
+    fns = {name: (lambda f=fn, a=args: jax.block_until_ready(f(*a))) for name, (fn, args, _) in parts.items()}
+    times = interleaved(fns, repeats)
+    rows = []
+    for name, (fn, args, count) in parts.items():
+        flops = xla_flops(fn.lower(*args).compile())
+        rows.append({"component": name, "calls": count, "seconds_each": times[name],
+                     "seconds_per_step": times[name] * count, "share_of_step": times[name] * count / step_s,
+                     "xla_gflop_per_step": flops * count / 1e9})
+    return sorted(rows, key=lambda r: -r["seconds_per_step"])
+
+
+def moe_ab(cfg, B: int, T: int, repeats: int) -> dict:
+    """One MoE layer forward + backward with each grouped matmul (`ragged_dot`, `tiled`), interleaved."""
+    kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=nnx.Rngs(0))
+    seg = packed_batch(B, T, cfg.vocab_size)["inputs_segmentation"]
+    x = jax.random.normal(jax.random.key(1), (B, T, cfg.emb_dim), kw["dtype"])
+    fns, flops = {}, {}
+    for impl in ("ragged_dot", "tiled"):
+        spec = cfg.layer_spec("mla", "moe")
+        spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, grouped_matmul=impl))
+        fn, params = _fwd_bwd(DecoderLayer(spec, **kw).mlp, lambda m, x: m(x, seg)[0])
+        fns[impl] = lambda f=fn, p=params: jax.block_until_ready(f(p, x))
+        flops[impl] = xla_flops(fn.lower(params, x).compile()) / 1e9
+    times = interleaved(fns, repeats)
+    return {"seconds": times, "xla_gflop": flops, "ragged_over_tiled": times["ragged_dot"] / times["tiled"]}
+
+
+def hlo_ops(cfg, B: int, T: int) -> int:
+    """Operations in the lowered (StableHLO) train step, traced on abstract state: compile work, load-free."""
+    build = lambda: Ling3(cfg, rngs=nnx.Rngs(0))
+    optim = OptimConfig(decay_steps=1000)
+    state = jax.eval_shape(init_fn(build, optim, 0))
+    step = make_train_step(ModelDef.from_constructor(build, cfg), LossConfig(), optim, micro_batches=1)
+    text = step.lower(state, packed_batch(B, T, cfg.vocab_size)).as_text()
+    return sum(" = " in line for line in text.splitlines())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 repeats, no breakdown")
+    parser.add_argument("--models", default="tiny,small,small24")
+    parser.add_argument("--label", default="after", help="names the output file, e.g. before / after")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a top-level model key for every model (e.g. remat=false)")
+    parser.add_argument("--moe-ab", action="store_true", help="only the MoE grouped-matmul A/B per model")
+    parser.add_argument("--hlo-ops", action="store_true", help="only count the lowered step's ops, scanned and unrolled")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    repeats = 2 if args.quick else 5
+    extra = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores, label {args.label}, {extra}")
+    result = {"label": args.label, "overrides": extra, "models": {}}
+    out = Path(args.out or ROOT / "experiments" / "results" / f"bench_train_{args.label}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.models.split(","):
+        cfg, B, T = model_config(name, **extra)
+        if args.hlo_ops:
+            result["models"][name] = row = {scan: hlo_ops(dataclasses.replace(cfg, scan_layers=scan), B, T)
+                                            for scan in (True, False)}
+            print(f"{name:8s} lowered step ops: scanned {row[True]}, unrolled {row[False]}", flush=True)
+            out.write_text(json.dumps(result, indent=2))
+            continue
+        if args.moe_ab:
+            result["models"][name] = row = moe_ab(cfg, B, T, repeats)
+            print(f"{name:8s} MoE layer fwd+bwd: {row['seconds']} s, XLA GFLOP {row['xla_gflop']}", flush=True)
+            out.write_text(json.dumps(result, indent=2))
+            continue
+        row = bench_step(cfg, B, T, repeats)
+        print(f"{name:8s} layers {row['layers']:2d} B={B} T={T}: compile {row['compile_s']:6.1f} s | step"
+              f" {row['step_s']:7.3f} s | {row['tokens_per_s']:8.0f} tok/s | MFU {100 * row['mfu']:5.1f}%"
+              f" (XLA flops {100 * row['xla_util']:5.1f}%) of {row['ceiling_gflops']:.1f} GFLOP/s", flush=True)
+        if not args.quick:
+            row["breakdown"] = breakdown(cfg, B, T, repeats, row["step_s"])
+            for r in row["breakdown"]:
+                print(f"    {r['component']:34s} x{r['calls']:2d} {r['seconds_per_step']:7.3f} s"
+                      f" ({100 * r['share_of_step']:5.1f}% of the step) {r['xla_gflop_per_step']:8.2f} GFLOP", flush=True)
+        result["models"][name] = row
+        out.write_text(json.dumps(result, indent=2))  # after every model: a long run that dies keeps its rows
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Scanned layer cycles (`Ling3Config.scan_layers`) are the unrolled model: same loss, gradients, statistics."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lingpack.models.kda import KDAConfig
+from lingpack.models.ling3 import Ling3, Ling3Config
+from lingpack.models.mla import MLAConfig
+from lingpack.models.moe import MoEConfig, update_expert_bias
+from lingpack.train.optim import decay_mask
+from packing_cases import packed_batch
+
+SIZES = dict(vocab_size=64, emb_dim=32, mlp_dim=48, kda_impl="reference", mtp_num_layers=1,
+             kda=KDAConfig(num_heads=2, head_dim=8),
+             mla=MLAConfig(num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                           v_head_dim=8),
+             moe=MoEConfig(num_experts=4, top_k=2, expert_dim=8, n_groups=2, topk_groups=1, z_loss_coef=1e-3))
+# 5 layers, cycle 2, no dense layer: layers 0-3 two scanned cycles (KDA, MLA), layer 4 unrolled after them.
+CFG = Ling3Config(num_layers=5, inhomogeneous_layer_cycle_interval=2, first_dense_layers=0, remat=True,
+                  remat_policy="dots_saveable", **SIZES)
+# 10 layers, cycle 3: layers 0-2 unrolled (the dense layer's cycle), 3-8 two scanned cycles, 9 unrolled after.
+DEEP = Ling3Config(num_layers=10, inhomogeneous_layer_cycle_interval=3, first_dense_layers=1, **SIZES)
+
+
+def per_layer(model, tree=None) -> list:
+    """Layer i's parameters (or the same slice of `tree`, a params-shaped state) as a pure dict, per main layer."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    view = model if tree is None else nnx.merge(graphdef, tree, rest)
+    out = []
+    for i in range(model.cfg.num_layers):
+        module, index = view.layer_location(i)
+        out.append(jax.tree.map(lambda a: a[index], nnx.state(module, nnx.Param).to_pure_dict()))
+    return out
+
+
+def loss_and_grads(model, batch):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, rest):  # rest through jit: remat's write-back needs variables of this trace
+        out = nnx.merge(graphdef, params, rest)(batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
+        logp = jax.nn.log_softmax(out.logits_BTV, -1)
+        xent = -jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0] * (batch["targets_segmentation"] != 0)
+        mtp = jnp.sum(out.mtp_logits[0] ** 2) * 1e-3
+        return jnp.sum(xent) + mtp + jnp.sum(out.moe_aux["router_z_loss"]) * 1e-3, out.moe_aux
+    (value, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, rest)
+    return value, aux, grads
+
+
+def build(cfg):
+    scanned, unrolled = Ling3(cfg, rngs=nnx.Rngs(0)), Ling3(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(0))
+    assert scanned.cycles is not None and unrolled.cycles is None and len(unrolled.layers) == cfg.num_layers
+    return scanned, unrolled
+
+
+@pytest.fixture(scope="module")
+def models():
+    assert CFG.scanned_layers() == (0, 2) and DEEP.scanned_layers() == (3, 2)
+    return build(CFG)
+
+
+def check_scanned_equals_unrolled(scanned, unrolled):
+    for a, b in zip(per_layer(scanned), per_layer(unrolled)):  # one seed builds the same weights
+        jax.tree.map(np.testing.assert_array_equal, a, b)
+    batch = {k: jnp.asarray(v) for k, v in packed_batch([[5, 1, 14], [20]], 20, 64, np.random.default_rng(0)).items()}
+    (v_s, aux_s, g_s), (v_u, aux_u, g_u) = loss_and_grads(scanned, batch), loss_and_grads(unrolled, batch)
+    np.testing.assert_allclose(v_s, v_u, rtol=1e-6)
+    n_moe = sum(f == "moe" for _, f in scanned.cfg.layer_kinds()) + 1  # main layers in order, then MTP
+    assert aux_s["load_counts"].shape == (n_moe, 4)
+    for key in aux_s:
+        np.testing.assert_allclose(aux_s[key], aux_u[key], rtol=1e-6, err_msg=key)
+    grads_s, grads_u = per_layer(scanned, g_s), per_layer(unrolled, g_u)
+    for i, (a, b) in enumerate(zip(grads_s, grads_u)):  # fp32 sums in another order: relative to each tensor's max
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * np.abs(y).max(),
+                                                             err_msg=f"layer {i}"), a, b)
+    start, _ = scanned.cfg.scanned_layers()
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(grads_s[start + 1])) > 0  # a scanned layer learns
+
+    # the expert-bias update reaches each scanned layer's own slice, as it does each unrolled layer
+    update_expert_bias(scanned, aux_s["load_counts"], 0.1)
+    update_expert_bias(unrolled, aux_u["load_counts"], 0.1)
+    biases = lambda m: [np.asarray(moe.expert_bias[...][index]) for moe, index in m.moe_layers()]
+    for a, b in zip(biases(scanned), biases(unrolled)):
+        np.testing.assert_array_equal(a, b)
+    assert len({tuple(b) for b in biases(scanned)}) > 1  # layers moved differently
+
+
+def test_scanned_equals_unrolled_loss_grads_and_statistics(models):
+    check_scanned_equals_unrolled(*models)
+
+
+@pytest.mark.slow
+def test_deep_scanned_equals_unrolled():
+    """Unrolled layers before (a dense layer's cycle) and after the scanned cycles, KDA runs of two."""
+    check_scanned_equals_unrolled(*build(DEEP))
+
+
+def test_stacked_parameters_keep_sharding_names_and_decay_rule(models):
+    scanned, _ = models
+    params = nnx.state(scanned, nnx.Param)
+    specs = nnx.get_partition_spec(params).to_pure_dict()
+    values = params.to_pure_dict()
+    assert values["cycles"]["kda"]["mlp"]["wi_gate"].shape == (2, 1, 4, 32, 8)   # [cycles, KDA run, E, D, I]
+    assert tuple(specs["cycles"]["kda"]["mlp"]["wi_gate"]) == (None, None, "exp", "embed", "mlp")
+    assert tuple(specs["cycles"]["mla"]["self_attn"]["o_proj"]["kernel"]) == (None, "heads", "embed")
+    mask = decay_mask(values)
+    assert mask["cycles"]["kda"]["input_layernorm"]["weight"] is False          # a norm weight, stacked to 3-D
+    assert mask["cycles"]["mla"]["post_attention_layernorm"]["weight"] is False
+    assert mask["cycles"]["kda"]["self_attn"]["A_log"] is False
+    assert mask["cycles"]["mla"]["self_attn"]["kv_b_proj"]["kernel"] is True
+    assert mask["layers"][0]["self_attn"]["q_proj"]["kernel"] is True and mask["layers"][0]["input_layernorm"]["weight"] is False
+
+
+def test_remat_policy_is_validated():
+    with pytest.raises(ValueError, match="remat_policy"):
+        dataclasses.replace(CFG, remat_policy="everything")

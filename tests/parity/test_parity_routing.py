@@ -91,8 +91,10 @@ def test_trace_reports_an_injected_flip_and_none_without_one(trained, tmp_path):
     assert clean["parity_max_rel"] <= 1e-5
 
     perturbed = loop.make_model(rc.model, rc.train.seed)  # the reference starts from it; lingpack did not
-    router = perturbed.moe_layers()[1].router
-    router[...] = router[...].at[:, [0, 2]].set(router[...][:, [2, 0]])  # swap an expert of each group
+    moe, index = perturbed.moe_layers()[1]  # index: the layer's place in its scan stack (() if unrolled)
+    weights = moe.router[...]
+    layer = weights[index]
+    moe.router[...] = weights.at[index].set(layer.at[:, [0, 2]].set(layer[:, [2, 0]]))  # swap an expert of each group
     summary = run_parity(_with(rc, tmp_path / "flip"), history[:1], initial_model=perturbed, routing=routing)
     assert (summary["routing_first_flip_step"], summary["routing_first_flip_layer"]) == (1, 1)
     trace = json.loads((tmp_path / "flip" / "parity" / "routing.json").read_text())

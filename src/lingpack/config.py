@@ -13,6 +13,7 @@ import types
 import typing
 
 from lingpack.data.config import DataConfig
+from lingpack.distributed import DistributedConfig
 from lingpack.models.ling3 import Ling3Config, config_from_dict
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
 
@@ -84,6 +85,7 @@ class RunConfig:
     logger: LoggerConfig
     parity: ParityConfig
     run_dir: str
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
 def _is_instance(value, annotation) -> bool:
@@ -153,7 +155,7 @@ def _bundled(path: str, cache_dir: str) -> str:
 def build(cfg: dict, run_dir: str) -> RunConfig:
     """A resolved plain-dict config (OmegaConf.to_container(cfg, resolve=True)) -> RunConfig."""
     known = {"name", "seed", "model", "kernel", "data", "loss", "optim", "parallel", "checkpoint", "train",
-             "logger", "parity", "hydra"}
+             "logger", "parity", "distributed", "hydra"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {sorted(known - {'hydra'})}")
@@ -177,4 +179,5 @@ def build(cfg: dict, run_dir: str) -> RunConfig:
         parallel=make(ParallelConfig, cfg.get("parallel"), "parallel"),
         checkpoint=make(CheckpointConfig, cfg.get("checkpoint"), "checkpoint"),
         train=make(TrainConfig, train_values, "train"), logger=make(LoggerConfig, cfg.get("logger"), "logger"),
-        parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir)
+        parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir,
+        distributed=make(DistributedConfig, cfg.get("distributed"), "distributed"))

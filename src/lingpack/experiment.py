@@ -13,35 +13,22 @@ import os
 from pathlib import Path
 
 from lingpack import config as config_lib
+from lingpack import distributed
 
-_DISTRIBUTED_READY = False
 SUMMARY_FORMATS = {"final_lm_loss": ".4f", "first_lm_loss": ".4f", "tokens_per_s": ".0f",
                    "segments_per_row": ".2f", "phantom_overhead": ".3f", "packing_parity_rel": ".1e",
                    "parity_max_rel": ".1e", "parity_mean_rel": ".1e"}
 
 
-def maybe_initialize_distributed() -> None:
-    """`jax.distributed.initialize()` once per process, only on multi-host launches (TPU pods, SLURM, env)."""
-    global _DISTRIBUTED_READY
-    if _DISTRIBUTED_READY:
-        return
-    multi_host = (os.environ.get("JAX_COORDINATOR_ADDRESS") or int(os.environ.get("SLURM_NTASKS", "1")) > 1
-                  or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0)
-    if multi_host:
-        import jax
-        jax.distributed.initialize()
-    _DISTRIBUTED_READY = True
-
-
-def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None):
+def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None, writer: bool):
     from lingpack.tracking.metrics import MetricsLogger
     wandb = None
-    if rc.logger.kind == "wandb" and rc.logger.mode != "disabled":
+    if writer and rc.logger.kind == "wandb" and rc.logger.mode != "disabled":
         from lingpack.tracking.wandb_logger import WandbLogger
         wandb = WandbLogger(project=rc.logger.project, group=rc.logger.group or group or rc.name,
                             job_type=rc.logger.job_type, name=rc.name, tags=list(rc.logger.tags),
                             dir=rc.run_dir, mode=rc.logger.mode, config=plain)
-    return MetricsLogger(rc.run_dir, wandb=wandb, console_every=rc.logger.console_every)
+    return MetricsLogger(rc.run_dir, wandb=wandb, console_every=rc.logger.console_every, main_process=writer)
 
 
 def overhead_key(rc: config_lib.RunConfig) -> str:
@@ -55,14 +42,20 @@ def _mean(history: list[dict], key: str) -> float | None:
 
 
 def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
-    """Train one job from a plain config dict; returns its summary dict (also written to summary.json)."""
-    maybe_initialize_distributed()
-    os.makedirs(run_dir, exist_ok=True)
+    """Train one job from a plain config dict; returns its summary dict (also written to summary.json).
+
+    On multi-host runs every process calls this with the same config and run directory; all train and
+    save their checkpoint shards, process 0 alone writes W&B, metrics, plots and the summary.
+    """
     rc = config_lib.build(plain, run_dir)
+    distributed.initialize(rc.distributed)
+    distributed.check_same_everywhere("run directory", os.path.abspath(run_dir))
+    writer = distributed.is_writer()  # the one place that decides who writes run records
+    os.makedirs(run_dir, exist_ok=True)
     from lingpack.train import loop
     from lingpack.tracking.table import summary_table
 
-    metrics_logger = _metrics_logger(rc, plain, group)
+    metrics_logger = _metrics_logger(rc, plain, group, writer)
     try:
         result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
                             metrics_callback=metrics_logger)
@@ -76,7 +69,10 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
             "phantom_overhead": _mean(history, overhead_key(rc)),
             "overflow_steps": sum(1 for h in history if float(h.get("overflow", 0)) > 0),
         }
-        summary["packing_parity_rel"] = _packing_parity(rc, result.final_model())["rel_diff"]
+        model = result.final_model()  # collective on multi-host runs
+        if not writer:
+            return summary
+        summary["packing_parity_rel"] = _packing_parity(rc, model)["rel_diff"]
         if rc.parity.enabled:
             from lingpack.parity.harness import run_parity
             summary.update(run_parity(rc, history, metrics_logger))
@@ -90,10 +86,10 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
 
 
 def _packing_parity(rc: config_lib.RunConfig, model) -> dict:
-    """Loss of the first real batch packed vs every document alone, with the trained model."""
+    """Loss of the first real (global) batch packed vs every document alone, with the trained model."""
     from lingpack.data.pipeline import make_iterator
     from lingpack.parity.packing import packing_parity
-    batch = next(make_iterator(rc.data, split="train"))
+    batch = next(make_iterator(rc.data, split="train", process_index=0, process_count=1))
     return packing_parity(model, batch)
 
 

@@ -87,7 +87,7 @@ fi
 if [[ $SETUP == 1 ]]; then
   ARCHIVE=${TMPDIR:-/tmp}/lingpack-$NAME.tar.gz
   # The working tree's tracked files (uncommitted edits included), without .venv / outputs.
-  show tar -czf "$ARCHIVE" -C "$REPO" '$(git ls-files)'
+  echo "+ (cd $(quote "$REPO") && git ls-files -z | tar --null -czf $(quote "$ARCHIVE") -T -)"
   if [[ $DRY_RUN != 1 ]]; then (cd "$REPO" && git ls-files -z | tar --null -czf "$ARCHIVE" -T -); fi
   run gcloud compute tpus tpu-vm scp "$ARCHIVE" "$NAME:lingpack.tar.gz" "${LOCATION[@]}" --worker=all
   ssh_all "mkdir -p $(quote "$REMOTE_DIR") && tar -xzf lingpack.tar.gz -C $(quote "$REMOTE_DIR") && cd $(quote "$REMOTE_DIR") && python3 -m venv .venv && .venv/bin/pip install -q -e . 'jax[tpu]'"
@@ -95,6 +95,7 @@ fi
 
 # Every worker runs the same command; process ids come from the TPU runtime (distributed.initialize=true),
 # TPU_WORKER_ID tells run.py which worker is 0 (only it writes .hydra and the run log).
+# shellcheck disable=SC2016  # expanded on each worker, not here
 WORKER_ID='$(curl -s -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)'
 TRAIN=$(join_quoted .venv/bin/python run.py distributed.initialize=true "hydra.run.dir=$RUN_DIR" \
   "checkpoint.directory=$CKPT_DIR" "$@")

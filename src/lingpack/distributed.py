@@ -53,6 +53,11 @@ class DistributedConfig:
             raise ValueError(f"distributed.initialization_timeout_s={self.initialization_timeout_s} must be >= 1")
 
 
+def local_or_url(path: str) -> str:
+    """An absolute local path, or a URL (gs://...) unchanged."""
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
 def _explicit(cfg: DistributedConfig, environ) -> dict:
     """The coordinator / count / id given by the config or the JAX_* environment (None where unset)."""
     def pick(value, key, kind):
@@ -147,7 +152,7 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> bool:
     cfg = cfg or DistributedConfig()
     import jax
     if cfg.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.expanduser(cfg.compilation_cache_dir)))
+        jax.config.update("jax_compilation_cache_dir", local_or_url(cfg.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", cfg.compilation_cache_min_compile_s)
     wanted = plan(cfg, environ)
     if _STARTED is not None or jax.distributed.is_initialized():

@@ -30,7 +30,9 @@ def launch_overrides(argv: list[str], environ) -> list[str]:
         sys.exit(f"run.py: hydra/launcher={launcher} submits SLURM jobs, but sbatch/srun are not found on this "
                  "machine; run from a SLURM login node, or drop hydra/launcher=... to run here "
                  "(see slurm_or_tpu_launch/README.md)")
-    if any(environ.get(v, "0") not in ("", "0") for v in RANK_VARIABLES):
+    ranks = [environ.get(v, "") for v in RANK_VARIABLES]
+    ranks += [a.split("=", 1)[1] for a in argv if a.startswith("distributed.process_id=")]
+    if any(rank not in ("", "0", "null") for rank in ranks):
         return ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
     return []
 

@@ -125,3 +125,4 @@ def test_non_zero_ranks_leave_hydra_files_to_process_0():
     assert run_py.launch_overrides([], {"SLURM_PROCID": "0", "JAX_PROCESS_ID": "0"}) == []
     assert run_py.launch_overrides([], {"SLURM_PROCID": "3"}) == quiet
     assert run_py.launch_overrides([], {"TPU_WORKER_ID": "1"}) == quiet
+    assert run_py.launch_overrides(["distributed.process_id=1"], {}) == quiet

@@ -17,7 +17,8 @@ from lingpack import distributed
 
 SUMMARY_FORMATS = {"final_lm_loss": ".4f", "first_lm_loss": ".4f", "tokens_per_s": ".0f",
                    "segments_per_row": ".2f", "phantom_overhead": ".3f", "packing_parity_rel": ".1e",
-                   "parity_max_rel": ".1e", "parity_mean_rel": ".1e"}
+                   "parity_max_rel": ".1e", "parity_mean_rel": ".1e", "val_lm_loss": ".4f",
+                   "val_ppl": ".2f", "test_lm_loss": ".4f", "test_ppl": ".2f"}
 
 
 def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None, writer: bool):
@@ -68,6 +69,7 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
             "segments_per_row": _mean(history, "segments_per_row"),
             "phantom_overhead": _mean(history, overhead_key(rc)),
             "overflow_steps": sum(1 for h in history if float(h.get("overflow", 0)) > 0),
+            **{k: v for k, v in result.final_eval.items() if not k.endswith("_tokens")},
         }
         model = result.final_model()  # collective on multi-host runs
         if not writer:
@@ -95,8 +97,10 @@ def _packing_parity(rc: config_lib.RunConfig, model) -> dict:
 
 def _plots(rc: config_lib.RunConfig, history: list[dict]) -> None:
     from lingpack.tracking.plots import plot_loss_curves
-    if history:
-        plot_loss_curves({rc.name: history}, Path(rc.run_dir) / "loss.png", metric="lm_loss",
+    if history:  # validation points carry their loss as lm_loss so both curves share the axis
+        valid = [{"step": h["step"], "lm_loss": h["val_lm_loss"]} for h in history if "val_lm_loss" in h]
+        curves = {f"{rc.name} train": history, **({f"{rc.name} validation": valid} if valid else {})}
+        plot_loss_curves(curves, Path(rc.run_dir) / "loss.png", metric="lm_loss",
                          title=f"{rc.name}: lm loss ({rc.kernel.name})")
 
 
@@ -135,7 +139,7 @@ class SweepSummary(_HydraCallback):
         if not rows:
             print(f"sweep summary: no job summaries under {sweep_dir}")
             return
-        columns = ["job", "kernel", "max_segs", "final_lm_loss", "tokens_per_s", "phantom_overhead",
+        columns = ["job", "kernel", "max_segs", "final_lm_loss", "val_lm_loss", "tokens_per_s", "phantom_overhead",
                    "packing_parity_rel", "overflow_steps"]
         table = summary_table(rows, columns, title=f"sweep summary ({len(rows)} jobs): {sweep_dir}",
                               formats=SUMMARY_FORMATS)

@@ -29,7 +29,8 @@ def offline_run_keys(run_dir: Path) -> str:
 
 
 def test_single_run_writes_metrics_checkpoints_wandb_and_summary(tmp_path):
-    proc = run_py([*FAST, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    proc = run_py([*FAST, "train.eval_every=2", "train.eval_batches=1", f"hydra.run.dir={tmp_path / 'run'}"],
+                  tmp_path)
     run_dir = tmp_path / "run"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -37,6 +38,9 @@ def test_single_run_writes_metrics_checkpoints_wandb_and_summary(tmp_path):
         assert key in records[-1], key
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["packing_parity_rel"] < 1e-5
+    assert [r["step"] for r in records if "val_lm_loss" in r] == [2]  # the bundled corpus' valid split
+    assert summary["val_lm_loss"] > 0 and summary["test_lm_loss"] > 0 and summary["val_ppl"] > 1
+    assert "validation loss at iteration 2 |" in proc.stdout and "on test set |" in proc.stdout
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     wandb_records = offline_run_keys(run_dir)
@@ -46,7 +50,7 @@ def test_single_run_writes_metrics_checkpoints_wandb_and_summary(tmp_path):
 
 def test_multirun_two_jobs_and_sweep_summary(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_py(["-m", *FAST, "train.steps=2", "kernel=chunked_aligned", "kernel.max_segs=8,16",
+    proc = run_py(["-m", *FAST, "train.steps=2", "train.eval_every=0", "kernel=chunked_aligned", "kernel.max_segs=8,16",
                    "checkpoint.enabled=false", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}"],
                   tmp_path)
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())

@@ -193,3 +193,15 @@ def test_sniffing_without_extension(tmp_path):
     assert load_baseline(_write(tmp_path, "export", WANDB_CSV)).records[0]["step"] == 1
     with pytest.raises(ValueError, match="no step column"):
         parse_wandb_export(_write(tmp_path, "bad.csv", "a,b\n1,2\n"))
+
+
+def test_end_of_run_validation_and_test_lines(tmp_path):
+    # megatron/training/training.py: "iteration N on validation set" / "iteration N on test set" after training.
+    text = LOG_2025.splitlines()[1] + "\n" + "\n".join([
+        " validation loss at iteration 1 | lm loss value: 1.190000E+01 | lm loss PPL: 1.468864E+05 |",
+        " validation loss at iteration 1 on validation set | lm loss value: 1.180000E+01 | lm loss PPL: 1.3e+05 |",
+        " validation loss at iteration 1 on test set | lm loss value: 1.170000E+01 | lm loss PPL: 1.2e+05 |"])
+    run = parse_text_log(_write(tmp_path, "train.log", text))
+    assert [r["val_lm_loss"] for r in run.validation] == [11.9, 11.8]
+    assert [r.get("final", False) for r in run.validation] == [False, True]
+    assert run.test == [{"step": 1, "test_lm_loss": 11.7, "test_lm_loss_ppl": 1.2e5}]

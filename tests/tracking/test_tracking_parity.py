@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from lingpack.tracking.parity import compute_parity, log_interval
@@ -125,3 +126,31 @@ def test_compare_cli_bad_input(tmp_path):
     (tmp_path / "megatron.log").write_text(MEGATRON_LOG)
     proc = _compare("--megatron-log", tmp_path / "megatron.log", "--run", tmp_path / "nowhere")
     assert proc.returncode == 2 and "no metrics file" in proc.stderr
+
+
+def test_compare_cli_aligns_validation_losses(tmp_path):
+    # Megatron's periodic, end-of-run validation and test lines, as lingpack's evaluate.megatron_line writes them.
+    from lingpack.train.evaluate import eval_metrics, megatron_line
+
+    def line(prefix, loss, key="val"):
+        stats = {"lm_sum": loss, "lm_tokens": 1.0, "mtp_sum": np.zeros(0), "mtp_tokens": np.zeros(0),
+                 "moe_z_sum": np.zeros(0), "moe_z_tokens": np.zeros(0)}
+        return megatron_line(prefix, eval_metrics(stats, key), key=key) + "\n"
+
+    log = tmp_path / "megatron.log"
+    log.write_text(MEGATRON_LOG + line("iteration 10", 7.5) + line("iteration 20", 5.25)
+                   + line("iteration 20 on validation set", 5.0) + line("iteration 20 on test set", 5.5, "test"))
+    run = _run_dir(tmp_path)
+    records = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    records[9]["val_lm_loss"], records[19]["val_lm_loss"] = 7.5, 5.25 * (1 + 3e-4)  # step 20 drifts
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "summary.json").write_text(json.dumps({"val_lm_loss": 5.0, "test_lm_loss": 5.5}))
+    proc = _compare("--megatron-log", log, "--run", run)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "PARITY OK" not in proc.stdout  # training parity holds, but validation fails the run
+    assert "VALIDATION PARITY FAILED: 1 of 4 evaluations" in proc.stdout
+    rows = (run / "parity" / "validation_parity.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["step 10", "step 20", "end valid", "end test"]
+    assert [r.split(",")[-1] for r in rows[1:]] == ["False", "True", "False", "False"]
+    summary = json.loads((run / "parity" / "parity_summary.json").read_text())
+    assert summary["passed"] and summary["validation"]["failed_steps"] == 1

@@ -16,6 +16,7 @@ from lingpack.models.kda import KDA, KDAConfig, KDAKernel
 from lingpack.models.layers import MLP, RMSNorm
 from lingpack.models.mla import MLA, MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
+from lingpack.parallel.context import in_token_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +54,8 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array):
         """-> (x_BTD, moe aux dict or None)."""
         h = self.input_layernorm(x_BTD)
-        if self.mixer == "kda":
-            h = self.self_attn(h, segment_ids_BT)
+        if self.mixer == "kda":  # token order under a zigzag layout until KDA has its own CP (issue 11)
+            h = in_token_order(self.self_attn, h, segment_ids_BT)
         else:
             h = self.self_attn(h, segment_ids_BT, positions_BT)
         x_BTD = x_BTD + h.astype(x_BTD.dtype)

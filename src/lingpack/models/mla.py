@@ -10,6 +10,9 @@
 `rope_type="rope"` rotates the first `partial_rotary_factor * qk_rope_head_dim` features of the rope
 slice (interleaved pairs or half-split), with positions from `inputs_position`.
 Names follow transformers' KimiLinearAttention / DeepSeek (`kv_a_proj_with_mqa`, `kv_a_layernorm`, ...).
+Under context parallelism (`parallel.current()`, see parallel/__init__.py) the attention runs sharded over
+the sequence (`parallel.context_strategy`); projections and RoPE are per token, so the layout's permuted
+positions need nothing else.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from flax import nnx
 
 from lingpack.kernels.attention.api import attention
 from lingpack.models.layers import RMSNorm, apply_rope, dense
+from lingpack.parallel.context import context_attention, current
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,11 @@ class MLA(nnx.Module):
         k_rope_BTHR = jnp.broadcast_to(self._rope(k_rope_BT1R, positions_BT), (B, T, H, rope))
         k_BTHQ = jnp.concatenate([k_nope_BTHN, k_rope_BTHR.astype(k_nope_BTHN.dtype)], axis=-1)
 
-        o_BTHV = attention(q_BTHQ, k_BTHQ, v_BTHV, segment_ids_BT=segment_ids_BT, impl=self.attention_impl,
-                           scale=cfg.qk_head_dim ** -0.5, block_size=self.attention_block)
+        cp = current()
+        if cp is None:
+            o_BTHV = attention(q_BTHQ, k_BTHQ, v_BTHV, segment_ids_BT=segment_ids_BT, impl=self.attention_impl,
+                               scale=cfg.qk_head_dim ** -0.5, block_size=self.attention_block)
+        else:  # sequence sharded over `context`; segment_ids are never None in the model (ling3 fills them)
+            o_BTHV = context_attention(q_BTHQ, k_BTHQ, v_BTHV, segment_ids_BT, cp=cp, scale=cfg.qk_head_dim ** -0.5,
+                                       block=self.attention_block)
         return self.o_proj(o_BTHV.reshape(B, T, H * dv))

@@ -29,6 +29,7 @@ from flax import nnx
 
 from lingpack.models.block import DecoderLayer, LayerSpec
 from lingpack.models.layers import RMSNorm, dense
+from lingpack.parallel.context import in_token_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,12 @@ def roll_and_mask_by_segment(x_BT: jax.Array, segment_ids_BT: jax.Array) -> jax.
     """Shift left by one along T; position t becomes 0 if seg[t] != seg[t+1], seg[t] == 0, or t is last.
 
     `x` is [B, T] or [B, T, ...] (e.g. embeddings [B, T, D]: masked positions become zero vectors).
+    Under a zigzag context-parallel layout the roll runs in token order (parallel.in_token_order).
     """
+    return in_token_order(_roll_and_mask, x_BT, segment_ids_BT)
+
+
+def _roll_and_mask(x_BT: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
     rolled = jnp.concatenate([x_BT[:, 1:], jnp.zeros_like(x_BT[:, :1])], axis=1)
     same = (segment_ids_BT[:, :-1] == segment_ids_BT[:, 1:]) & (segment_ids_BT[:, :-1] != 0)
     valid = jnp.concatenate([same, jnp.zeros_like(same[:, :1])], axis=1)

@@ -6,7 +6,11 @@
 Reads RUN/metrics.jsonl and the Megatron log (stdout text, or a W&B history export .csv/.json; the
 format is sniffed), prints the parity table, writes DIR/parity.csv, DIR/parity.png and
 DIR/parity_summary.json (DIR defaults to RUN/parity).
-Exit status: 0 parity holds, 1 some step exceeds the tolerance, 2 unusable input.
+Validation losses are compared apart (same tolerance): lingpack's periodic `val_lm_loss` against Megatron's
+"validation loss at iteration N" lines step by step, and the end-of-run validation and test evaluations
+("... on validation set" / "... on test set") against the run's summary.json; written to
+DIR/validation_parity.csv and the summary's "validation" entry.
+Exit status: 0 parity holds, 1 some step (training or validation) exceeds the tolerance, 2 unusable input.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import sys
 from pathlib import Path
 
 from lingpack.tracking.megatron_logs import load_baseline, series
-from lingpack.tracking.metrics import read_metrics
+from lingpack.tracking.metrics import read_metrics, write_csv
 from lingpack.tracking.parity import compute_parity, write_parity_csv
 from lingpack.tracking.table import summary_table
 
@@ -116,15 +120,57 @@ def main(argv: list | None = None) -> int:
                               project=args.wandb_project, mode=args.wandb_mode,
                               dir=args.wandb_dir or str(out), config={"parity": summary})
 
-    if result.passed:
+    validation = validation_parity(baseline, args.run, args.tolerance, args.step_offset)
+    if validation.rows:
+        columns = ["where", "megatron", "lingpack", "abs_diff", "rel_diff", "exceeds"]
+        rows = [dict(r.__dict__, where=w) for w, r in zip(validation.labels, validation.rows)]
+        print(summary_table(rows, columns, title="validation lm loss parity",
+                            formats={"megatron": ".6f", "lingpack": ".6f", "abs_diff": ".3e", "rel_diff": ".3e"}))
+        write_csv(rows, out / "validation_parity.csv", columns=columns)
+        summary["validation"] = validation.summary()
+        (out / "parity_summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+        if not validation.passed:
+            print(f"VALIDATION PARITY FAILED: {len(validation.failures)} of {len(validation.rows)} evaluations "
+                  f"exceed rel tolerance {args.tolerance:g} (max rel {validation.max_rel:.3g}).")
+    elif baseline.validation:
+        print("validation: the Megatron log has validation lines but the run logged no val_lm_loss "
+              "(set train.eval_every to Megatron's --eval-interval)")
+
+    if result.passed and (validation.passed or not validation.rows):
         print(f"PARITY OK: all {len(result.rows)} aligned steps within rel tolerance "
               f"{args.tolerance:g} (max rel {result.max_rel:.3g}).")
         return EXIT_OK
     first = result.first_failure
+    if first is None:
+        return EXIT_PARITY_FAILED
     print(f"PARITY FAILED: {len(result.failures)} of {len(result.rows)} aligned steps exceed rel "
           f"tolerance {args.tolerance:g}; first at step {first.step} (megatron {first.megatron!r}, "
           f"lingpack {first.lingpack!r}, rel {first.rel_diff:.3g}).")
     return EXIT_PARITY_FAILED
+
+
+def validation_parity(baseline, run_dir, tolerance: float, step_offset: int = 0):
+    """Periodic and end-of-run validation (and test) lm loss, Megatron vs lingpack, pointwise.
+
+    Returns a ParityResult whose extra attribute `labels` names each row ("step N", "end valid", "end test").
+    """
+    records = read_metrics(run_dir)
+    ours = {int(r["step"]) + step_offset: float(r["val_lm_loss"]) for r in records if "val_lm_loss" in r}
+    summary_path = Path(run_dir) / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    pairs = [(f"step {r['step']}", r["val_lm_loss"], ours.get(r["step"])) for r in baseline.validation
+             if not r.get("final") and "val_lm_loss" in r]
+    finals = [r for r in baseline.validation if r.get("final") and "val_lm_loss" in r]
+    if finals and "val_lm_loss" in summary:
+        pairs.append(("end valid", finals[-1]["val_lm_loss"], summary["val_lm_loss"]))
+    tests = [r for r in baseline.test if "test_lm_loss" in r]
+    if tests and "test_lm_loss" in summary:
+        pairs.append(("end test", tests[-1]["test_lm_loss"], summary["test_lm_loss"]))
+    pairs = [p for p in pairs if p[2] is not None]
+    result = compute_parity({i: p[1] for i, p in enumerate(pairs, 1)}, {i: p[2] for i, p in enumerate(pairs, 1)},
+                            tolerance=tolerance, metric="val_lm_loss", mode="pointwise", interval=1)
+    result.labels = [p[0] for p in pairs]
+    return result
 
 
 if __name__ == "__main__":

@@ -112,9 +112,10 @@ class MegatronRun:
     """Per-step records (dicts with `step` plus lingpack metric names), sorted by step."""
 
     records: list
-    validation: list
+    validation: list          # {"step", "val_lm_loss", ...}; the end-of-run evaluation has "final": True
     report: ParseReport
     train_iters: int | None = None
+    test: list = dataclasses.field(default_factory=list)  # end-of-run test evaluation {"step", "test_lm_loss"}
 
 
 def normalize_key(key: str) -> str:
@@ -169,7 +170,7 @@ def parse_text_log(path: str | Path, seq_length: int | None = None) -> MegatronR
     """Parse a Megatron-LM stdout log. `seq_length` turns consumed samples into `tokens`."""
     path = Path(path)
     report = ParseReport(source=str(path))
-    records, validation, train_iters = [], [], None
+    records, validation, test, train_iters = [], [], [], None
     with open(path, encoding="utf-8", errors="replace") as handle:
         for line_no, line in enumerate(handle, start=1):
             report.lines += 1
@@ -178,11 +179,16 @@ def parse_text_log(path: str | Path, seq_length: int | None = None) -> MegatronR
                 val = _VALIDATION.search(line)
                 if val is not None:
                     report.validation_lines += 1
+                    # "... at iteration N on test set |" is the end-of-run test evaluation, "on validation
+                    # set" the end-of-run validation; a bare "at iteration N |" is the periodic one.
+                    where = val.group(0)
+                    prefix = "test_" if " on test set" in where else "val_"
                     record = {"step": int(val.group(1))}
+                    if " on validation set" in where:
+                        record["final"] = True
                     for key, value in _fields(line[val.end():], line_no, report):
-                        name = normalize_key(key.replace(" value", ""))
-                        record["val_" + name] = value
-                    validation.append(record)
+                        record[prefix + normalize_key(key.replace(" value", ""))] = value
+                    (test if prefix == "test_" else validation).append(record)
                 elif re.search(r"\bvalidation\S* loss at\b", line):
                     report.other_validation_lines.append(line_no)
                 continue
@@ -201,7 +207,7 @@ def parse_text_log(path: str | Path, seq_length: int | None = None) -> MegatronR
             f"{path}: no Megatron iteration lines found in {report.lines} lines. Expected lines like "
             f"'iteration       10/    1000 | ... | lm loss: 1.023400E+01 |' (Megatron-LM stdout with "
             f"--log-interval). Pass the training stdout log, or a W&B history export (.csv/.json).")
-    return MegatronRun(_dedupe(records, report), validation, report, train_iters)
+    return MegatronRun(_dedupe(records, report), validation, report, train_iters, test)
 
 
 def _fields(text: str, line_no: int, report: ParseReport):

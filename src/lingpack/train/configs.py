@@ -14,6 +14,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 DTYPES = ("float32", "bfloat16")
 NAN_POLICIES = ("halt", "skip")
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
+CONTEXT_STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
 
 # Logical parameter axis -> mesh axis (None = replicated). `batch` / `length` name the activation axes.
 DEFAULT_RULES = (
@@ -128,6 +129,11 @@ class ParallelConfig:
     """Mesh axis sizes; exactly one may be -1 ("the rest of the devices"). Their product = device count.
 
     logical_axis_rules: (logical name, mesh axis | tuple of mesh axes | None) pairs; None = DEFAULT_RULES.
+    Context parallelism (context > 1: every row's T axis is split over `context` devices, parallel/):
+    context_strategy: how softmax attention exchanges keys (ring | all_gather | ulysses | usp);
+    context_ulysses: USP's all-to-all degree U (the ring runs over context / U), 1 otherwise;
+    load_balance: zigzag-reorder every batch (device r holds chunks r and 2N-1-r of 2N) so causal
+        attention work is even; rows must then divide by 2 x context (by context when off).
     """
 
     data: int = -1
@@ -136,8 +142,19 @@ class ParallelConfig:
     expert: int = 1
     context: int = 1
     logical_axis_rules: tuple | None = None
+    context_strategy: str = "ring"
+    context_ulysses: int = 1
+    load_balance: bool = True
 
     def __post_init__(self):
+        _choice("ParallelConfig", "context_strategy", self.context_strategy, CONTEXT_STRATEGIES)
+        _at_least("ParallelConfig", "context_ulysses", self.context_ulysses, 1)
+        if self.context_strategy != "usp" and self.context_ulysses != 1:
+            raise ValueError(f"ParallelConfig.context_ulysses={self.context_ulysses} applies only to "
+                             f"context_strategy='usp' (got {self.context_strategy!r}); set it to 1 or use usp")
+        if self.context_strategy == "usp" and self.context > 0 and self.context % self.context_ulysses:
+            raise ValueError(f"ParallelConfig.context_ulysses={self.context_ulysses} must divide context="
+                             f"{self.context} (USP runs a ring over context / context_ulysses devices)")
         sizes = self.axis_sizes()
         if sum(v == -1 for v in sizes.values()) > 1:
             raise ValueError(f"ParallelConfig: at most one mesh axis may be -1 ('the rest'); got {sizes}")
@@ -188,6 +205,9 @@ class TrainConfig:
     nan_policy: "halt" (save a checkpoint of the last good state, then stop with an error message) or
         "skip" (drop the update, keep going). peak_flops_per_device: for the MFU estimate; None looks the
         device kind up in a small table (unknown kinds report mfu 0). progress_bar: tqdm on the console.
+    eval_every / eval_batches: Megatron's eval_interval / eval_iters: every `eval_every` steps (0 = never)
+        evaluate `eval_batches` global batches of the valid split, and once more at the end of the run;
+        eval_test: also evaluate the test split at the end (when data.split gives it data). See evaluate.py.
     overflow_policy: a micro-batch with more documents than the aligned kernels' `kda_max_segs` has its
         overflowing documents dropped by the kernel (never mixed); "warn" logs and counts it, "halt" stops
         with an error naming the fix.
@@ -202,9 +222,14 @@ class TrainConfig:
     progress_bar: bool = True
     handle_signals: bool = True
     overflow_policy: str = "warn"
+    eval_every: int = 0
+    eval_batches: int = 1
+    eval_test: bool = True
 
     def __post_init__(self):
         _choice("TrainConfig", "overflow_policy", self.overflow_policy, ("warn", "halt"))
+        _at_least("TrainConfig", "eval_every", self.eval_every, 0)
+        _at_least("TrainConfig", "eval_batches", self.eval_batches, 1)
         _at_least("TrainConfig", "steps", self.steps, 1)
         _at_least("TrainConfig", "micro_batches", self.micro_batches, 1)
         _at_least("TrainConfig", "log_every", self.log_every, 1)

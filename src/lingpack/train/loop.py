@@ -7,7 +7,9 @@ On start the latest checkpoint in `ckpt_cfg.directory` is restored (state and da
 state is initialised directly in its shardings. Each step reads one global batch (this host's rows),
 runs the jitted step and reports one metrics dict (names in METRIC_NAMES) to `metrics_callback(step,
 metrics)` (every step) and to `TrainResult.history`; the console shows a progress bar (and a log line
-every `log_every` steps). Checkpoints every `save_every` steps, at the end, on SIGTERM/SIGINT (then the
+every `log_every` steps). Every `train.eval_every` steps the valid split is evaluated (evaluate.py; its
+`val_*` metrics join that step's record) and, when the run completes, the valid and test splits once more
+(`TrainResult.final_eval`). Checkpoints every `save_every` steps, at the end, on SIGTERM/SIGINT (then the
 loop returns with `preempted=True`) and before halting on a non-finite loss.
 
 `model_cfg` is a `Ling3Config`, or any frozen config with `make_model(rngs) -> nnx.Module` whose call
@@ -27,11 +29,14 @@ from flax import nnx
 
 from lingpack import distributed
 from lingpack.data.pipeline import make_iterator
+from lingpack.parallel.context import ContextParallel
+from lingpack.parallel.reorder import check_length, reorder_batch
 from lingpack.train import flops as flops_lib
 from lingpack.train import optim as optim_lib
 from lingpack.train import sharding as shard_lib
 from lingpack.train.checkpoint import Checkpointer, PreemptionGuard
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
+from lingpack.train.evaluate import make_evaluators, megatron_line
 from lingpack.train.step import ModelDef, init_fn, make_train_step, state_shardings
 
 log = logging.getLogger("lingpack.train")
@@ -60,6 +65,7 @@ class TrainResult:
     checkpoint_steps: list = dataclasses.field(default_factory=list)
     state: object = None      # the final TrainState (sharded arrays)
     model_def: object = None  # rebuilds the module: `final_model()`
+    final_eval: dict = dataclasses.field(default_factory=dict)  # end-of-run val_* / test_* (evaluate.py)
 
     def final_model(self) -> nnx.Module:
         """The trained model as an NNX module (parameters in their model dtypes)."""
@@ -116,6 +122,9 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     mesh = shard_lib.make_mesh(parallel_cfg)
     rules = parallel_cfg.rules
     _check_batch(data_cfg, train_cfg, loss_cfg, mesh, rules)
+    context = ContextParallel.from_config(parallel_cfg, mesh)
+    if context is not None:
+        check_length(data_cfg.seq_length, context.size, context.load_balance)
 
     build = lambda: make_model(model_cfg, train_cfg.seed)
     model_def = ModelDef.from_constructor(build, model_cfg)
@@ -138,7 +147,8 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
         state = jax.jit(init, out_shardings=shardings)()
     start = int(jax.device_get(state.step))
     step_fn = make_train_step(model_def, loss_cfg, optim_cfg, micro_batches=train_cfg.micro_batches, mesh=mesh,
-                              rules=rules, shardings=shardings)
+                              rules=rules, shardings=shardings, context=context)
+    evaluators = make_evaluators(model_def, data_cfg, loss_cfg, train_cfg, mesh=mesh, rules=rules, context=context)
 
     peak = train_cfg.peak_flops_per_device or flops_lib.peak_flops_per_device()
     step_flops = flops_lib.flops_per_token(model_cfg, data_cfg.seq_length) * data_cfg.global_batch_size * data_cfg.seq_length
@@ -146,7 +156,7 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
         log.info("peak FLOP/s of %s unknown: mfu reported as 0 (set train.peak_flops_per_device)",
                  jax.devices()[0].device_kind)
 
-    history, saved, skipped, preempted = [], [], 0, False
+    history, saved, skipped, preempted, final_eval = [], [], 0, False, {}
     bar = _progress(train_cfg, start)
     last_saved = latest
 
@@ -166,16 +176,24 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 except StopIteration:
                     raise RuntimeError(f"the data ran out after {step} batches (steps={train_cfg.steps}); raise "
                                        "data.num_samples / num_epochs or lower train.steps") from None
+                fingerprint = _fingerprint(local)
+                if context is not None and context.load_balance:  # once per batch, every array (parallel/)
+                    local = reorder_batch(local, context.size)
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, distributed.global_batch(local, batch_sharding, B))
                 metrics = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
                 dt = time.perf_counter() - t0
                 metrics.update(step=step + 1, step_time_s=dt, tokens_per_s=metrics["tokens"] / dt,
                                mfu=step_flops / dt / (peak * jax.device_count()) if peak else 0.0,
-                               data_fingerprint=_fingerprint(local))
+                               data_fingerprint=fingerprint)
+                evaluated = {}
+                if evaluators and (step + 1) % train_cfg.eval_every == 0:  # Megatron's eval_interval
+                    evaluated = evaluators["valid"].evaluate(state, (step + 1) // train_cfg.eval_every - 1)
+                    log.info(megatron_line(f"iteration {step + 1}", evaluated))
+                    metrics.update(evaluated)
                 history.append(metrics)
                 if metrics_callback is not None:
-                    metrics_callback(step + 1, {k: metrics[k] for k in METRIC_NAMES})
+                    metrics_callback(step + 1, {**{k: metrics[k] for k in METRIC_NAMES}, **evaluated})
                 if metrics["overflow"]:
                     log.warning("step %d: %d segments beyond kda max_segs=%d were dropped by the kernel; raise "
                                 "kernel.max_segs (see `python -m lingpack.data.stats`)", step + 1,
@@ -218,6 +236,7 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                     save(step + 1, state, iterator.get_state())
             else:
                 save(int(jax.device_get(state.step)), state, iterator.get_state())
+                final_eval = _final_evaluation(evaluators, state, train_cfg)
     finally:
         if bar is not None:
             bar.close()
@@ -226,4 +245,16 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
 
     final = {k: history[-1][k] for k in METRIC_NAMES} if history else {}
     last = history[-1]["step"] if history else start
-    return TrainResult(final, history, start, last, preempted, skipped, saved, state, model_def)
+    return TrainResult(final, history, start, last, preempted, skipped, saved, state, model_def, final_eval)
+
+
+def _final_evaluation(evaluators: dict, state, train_cfg: TrainConfig) -> dict:
+    """Megatron's end-of-training evaluations: the next valid batches, then the test split's first."""
+    out, steps = {}, int(jax.device_get(state.step))
+    if "valid" in evaluators:
+        out.update(evaluators["valid"].evaluate(state, train_cfg.steps // train_cfg.eval_every))
+        log.info(megatron_line(f"iteration {steps} on validation set", out))
+    if "test" in evaluators:
+        out.update(evaluators["test"].evaluate(state, 0))
+        log.info(megatron_line(f"iteration {steps} on test set", out, key="test"))
+    return out

@@ -24,6 +24,8 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lingpack.kernels.kda.segments import packing_stats
+from lingpack.parallel.context import ContextParallel, context_parallel
+from lingpack.parallel.reorder import restore_order
 from lingpack.train import loss as loss_lib
 from lingpack.train import sharding as shard_lib
 from lingpack.train.configs import LossConfig, OptimConfig
@@ -112,8 +114,10 @@ def _moe_rate_and_weight(loss_cfg: LossConfig, model_cfg) -> tuple[float, float]
     return loss_lib.resolve_moe_weights(loss_cfg, moe_cfg)
 
 
-def _packing_metrics(seg_MBT: jax.Array, model_cfg) -> dict:
+def _packing_metrics(seg_MBT: jax.Array, model_cfg, context: ContextParallel | None = None) -> dict:
     """Per micro-batch packing figures (what the KDA kernel sees), aggregated over the step."""
+    if context is not None and context.load_balance:  # the figures are about rows in token order
+        seg_MBT = restore_order(seg_MBT, context.size, axis=2)
     max_segs = getattr(model_cfg, "kda_max_segs", None)
     chunk = getattr(model_cfg, "kda_chunk_size", 64)
     stats = jax.vmap(lambda s: packing_stats(s, max_segs=max_segs, chunk_size=chunk))(seg_MBT)
@@ -134,12 +138,19 @@ def _packing_metrics(seg_MBT: jax.Array, model_cfg) -> dict:
 
 
 def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict, rest: dict, batch: dict, *,
-                         micro_batches: int, mesh: Mesh | None = None, rules=None, params_shardings=None):
+                         micro_batches: int, mesh: Mesh | None = None, rules=None, params_shardings=None,
+                         context: ContextParallel | None = None):
     """(gradient of the step objective w.r.t. params in fp32, statistics summed over micro-batches, micro-batches).
 
     The [B, T] batch becomes [M, B/M, T]; `lax.scan` runs forward + backward per micro-batch and sums
     gradients and statistics (each micro-batch's objective share already carries its 1/M or 1/N_total).
+    `context`: the model and loss are traced under it (parallel/context.py); the batch is in its layout.
     """
+    with context_parallel(context):
+        return _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings)
+
+
+def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings):
     M = micro_batches
     B = batch["inputs"].shape[0]
     if B % M:
@@ -178,8 +189,10 @@ def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict
 
 
 def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimConfig, *, micro_batches: int,
-                    mesh: Mesh | None = None, rules=None, shardings: TrainState | None = None, donate: bool = True):
-    """Jitted `step(state, batch) -> (state, metrics)`; `batch` holds global [B, T] int32 arrays."""
+                    mesh: Mesh | None = None, rules=None, shardings: TrainState | None = None, donate: bool = True,
+                    context: ContextParallel | None = None):
+    """Jitted `step(state, batch) -> (state, metrics)`; `batch` holds global [B, T] int32 arrays (in
+    `context`'s token layout when context parallelism is on)."""
     tx = make_optimizer(optim_cfg)
     lr_fn = learning_rate(optim_cfg)
     model_cfg = model_def.config
@@ -189,7 +202,7 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
     def step(state: TrainState, batch: dict):
         grads, stats, micro = accumulate_gradients(
             model_def, loss_cfg, state.params, state.rest, batch, micro_batches=M, mesh=mesh, rules=rules,
-            params_shardings=None if shardings is None else shardings.params)
+            params_shardings=None if shardings is None else shardings.params, context=context)
         grad_norm = global_norm(grads)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
@@ -210,7 +223,7 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
                                         state.rng))
         metrics = dict(loss_metrics, grad_norm=grad_norm, lr=lr_fn(state.updates), finite=finite.astype(jnp.int32),
                        tokens=jnp.int32(batch["inputs"].size),
-                       **_packing_metrics(micro["inputs_segmentation"], model_cfg))
+                       **_packing_metrics(micro["inputs_segmentation"], model_cfg, context))
         return new_state, metrics
 
     kwargs = {}

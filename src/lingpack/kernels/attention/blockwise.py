@@ -1,0 +1,200 @@
+"""The blockwise online-softmax step: the per-block primitive of every context-parallel strategy.
+
+A tile is one query block against one key block. Each side carries its segment ids `[B, n]` and its
+token index `[n]`: the token's place in the ORIGINAL row order (not its place in the local array), so
+the mask `allowed(...)` stays right when the row is zigzag-reordered or a key block arrived from
+another device. Query i may attend key j iff seg_i == seg_j != 0 and (not causal or index_j <= index_i).
+
+Numerics (REFERENCE.md §6): m, l, the output accumulator, lse and every gradient accumulator are fp32;
+masked logits are the finite MASK_VALUE and masked probabilities are exactly 0, so a query with no
+visible key (padding, or a document whose keys live elsewhere) keeps l = 0, outputs 0 through a
+guarded 1/l and gets lse = 0 (unused: all its probabilities are masked). No `-inf - -inf` anywhere.
+
+`forward_tiles` / `backward_tiles` run all tiles of a query range against a key range, skipping a tile
+whose ranges prove it fully masked (`tile_visible`); `blockwise_attention` wraps them in a custom VJP
+that recomputes probabilities from the saved lse (the local kernel of all_gather and Ulysses).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lingpack.kernels.attention.masks import MASK_VALUE, allowed
+
+F32 = jnp.float32
+
+
+class Tiling(NamedTuple):
+    """Static settings of a tiled call (hashable: a custom_vjp non-differentiable argument)."""
+    scale: float
+    causal: bool
+    block_q: int
+    block_kv: int
+
+
+class Softmax(NamedTuple):
+    """Running online-softmax state of a query range: fp32 max m [B,H,Q], normaliser l [B,H,Q], acc [B,H,Q,V]."""
+    m: jax.Array
+    l: jax.Array
+    acc: jax.Array
+
+
+def init_softmax(B: int, H: int, Q: int, V: int) -> Softmax:
+    # m starts at the finite MASK_VALUE (not -inf): exp(m_old - m_new) is then always finite.
+    return Softmax(jnp.full((B, H, Q), MASK_VALUE, F32), jnp.zeros((B, H, Q), F32), jnp.zeros((B, H, Q, V), F32))
+
+
+def finalize(state: Softmax) -> tuple[jax.Array, jax.Array]:
+    """(o [B,H,Q,V] fp32, lse [B,H,Q] fp32); empty rows (l == 0) give o = 0 and lse = 0."""
+    nonempty = state.l > 0
+    safe_l = jnp.where(nonempty, state.l, 1.0)  # guarded 1/l
+    return state.acc / safe_l[..., None], jnp.where(nonempty, state.m + jnp.log(safe_l), 0.0)
+
+
+def tile_visible(q_seg_BQ, kv_seg_BS, q_index_Q, kv_index_S, causal: bool) -> jax.Array:
+    """bool scalar, False only when the tile is provably fully masked (a sound, O(Q + S) range test).
+
+    Causal: every key comes after every query. Segments: the nonzero id ranges of the two sides are
+    disjoint in every row (disjoint ranges share no id, whatever the order of ids in the row).
+    """
+    big = jnp.iinfo(jnp.int32).max
+    lo = lambda s: jnp.min(jnp.where(s > 0, s, big), axis=1)    # padding (0) takes part in nothing
+    hi = lambda s: jnp.max(jnp.where(s > 0, s, 0), axis=1)
+    overlap = (lo(q_seg_BQ) <= hi(kv_seg_BS)) & (lo(kv_seg_BS) <= hi(q_seg_BQ))
+    visible = jnp.any(overlap)
+    if causal:
+        visible &= jnp.min(kv_index_S) <= jnp.max(q_index_Q)
+    return visible
+
+
+def _logits(q_BHQK, k_BHSK, q_seg, kv_seg, q_index, kv_index, tiling: Tiling):
+    s = jnp.einsum("bhqk,bhsk->bhqs", q_BHQK.astype(F32), k_BHSK.astype(F32)) * tiling.scale
+    mask = allowed(q_seg, kv_seg, q_index, kv_index, tiling.causal)
+    return jnp.where(mask, s, MASK_VALUE), mask
+
+
+def step_forward(state: Softmax, q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index, kv_index, tiling: Tiling) -> Softmax:
+    """One online-softmax update of `state` with one key block."""
+    s, mask = _logits(q_BHQK, k_BHSK, q_seg, kv_seg, q_index, kv_index, tiling)
+    m_new = jnp.maximum(state.m, s.max(-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # masked probabilities are exactly 0
+    alpha = jnp.exp(state.m - m_new)                          # <= 1 and finite: both maxima are finite
+    acc = alpha[..., None] * state.acc + jnp.einsum("bhqs,bhsv->bhqv", p, v_BHSV.astype(F32))
+    return Softmax(m_new, alpha * state.l + p.sum(-1), acc)
+
+
+def step_backward(q_BHQK, k_BHSK, v_BHSV, do_BHQV, lse_BHQ, delta_BHQ, q_seg, kv_seg, q_index, kv_index,
+                  tiling: Tiling):
+    """(dq, dk, dv) fp32 of one tile, probabilities recomputed from the saved lse."""
+    s, mask = _logits(q_BHQK, k_BHSK, q_seg, kv_seg, q_index, kv_index, tiling)
+    p = jnp.where(mask, jnp.exp(s - lse_BHQ[..., None]), 0.0)
+    q, k, v = q_BHQK.astype(F32), k_BHSK.astype(F32), v_BHSV.astype(F32)
+    dv = jnp.einsum("bhqs,bhqv->bhsv", p, do_BHQV)
+    ds = p * (jnp.einsum("bhqv,bhsv->bhqs", do_BHQV, v) - delta_BHQ[..., None])  # softmax Jacobian
+    dq = jnp.einsum("bhqs,bhsk->bhqk", ds, k) * tiling.scale
+    dk = jnp.einsum("bhqs,bhqk->bhsk", ds, q) * tiling.scale
+    return dq, dk, dv
+
+
+def _split(x, block: int, axis: int):
+    """[.., n*block, ..] -> [n, .., block, ..] (blocks first, for lax.scan / lax.map)."""
+    n = x.shape[axis] // block
+    x = x.reshape(*x.shape[:axis], n, block, *x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _merge(x, axis: int):
+    """The inverse of `_split`."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+
+
+def check_tiling(Q: int, S: int, tiling: Tiling) -> None:
+    for name, n, block in (("query", Q, tiling.block_q), ("key", S, tiling.block_kv)):
+        if block <= 0 or n % block:
+            raise ValueError(f"{name} length {n} must be a positive multiple of its block size {block}; choose a "
+                             "block that divides it (model.attention_block_size)")
+
+
+def forward_tiles(state: Softmax, q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index, kv_index, tiling: Tiling):
+    """`state` updated with every visible tile of q x kv -> (state, number of tiles computed)."""
+    check_tiling(q_BHQK.shape[2], k_BHSK.shape[2], tiling)
+    bq, bk = tiling.block_q, tiling.block_kv
+    kv_blocks = (_split(k_BHSK, bk, 2), _split(v_BHSV, bk, 2), _split(kv_seg, bk, 1), _split(kv_index, bk, 0))
+
+    def one_q_block(xs):
+        st, q, qs, qi = xs
+
+        def one_kv_block(carry, ys):
+            st, count = carry
+            k, v, ks, ki = ys
+            visible = tile_visible(qs, ks, qi, ki, tiling.causal)
+            st = jax.lax.cond(visible, lambda: step_forward(st, q, k, v, qs, ks, qi, ki, tiling), lambda: st)
+            return (st, count + visible.astype(jnp.int32)), None
+
+        (st, count), _ = jax.lax.scan(one_kv_block, (st, jnp.int32(0)), kv_blocks)
+        return st, count
+
+    q_blocks = (Softmax(_split(state.m, bq, 2), _split(state.l, bq, 2), _split(state.acc, bq, 2)),
+                _split(q_BHQK, bq, 2), _split(q_seg, bq, 1), _split(q_index, bq, 0))
+    st, counts = jax.lax.map(one_q_block, q_blocks)
+    return Softmax(_merge(st.m, 2), _merge(st.l, 2), _merge(st.acc, 2)), jnp.sum(counts)
+
+
+def backward_tiles(q_BHQK, k_BHSK, v_BHSV, do_BHQV, lse_BHQ, delta_BHQ, q_seg, kv_seg, q_index, kv_index,
+                   tiling: Tiling):
+    """(dq [B,H,Q,K], dk [B,H,S,K], dv [B,H,S,V]) fp32 summed over every visible tile."""
+    check_tiling(q_BHQK.shape[2], k_BHSK.shape[2], tiling)
+    bq, bk = tiling.block_q, tiling.block_kv
+    kv_blocks = (_split(k_BHSK, bk, 2), _split(v_BHSV, bk, 2), _split(kv_seg, bk, 1), _split(kv_index, bk, 0))
+    q_blocks = tuple(_split(x, bq, a) for x, a in ((q_BHQK, 2), (do_BHQV, 2), (lse_BHQ, 2), (delta_BHQ, 2),
+                                                   (q_seg, 1), (q_index, 0)))
+
+    def one_q_block(dkv, xs):
+        q, do, lse, delta, qs, qi = xs
+
+        def one_kv_block(dq, ys):
+            k, v, ks, ki = ys
+            zeros = lambda: (jnp.zeros_like(dq), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
+            grads = lambda: step_backward(q, k, v, do, lse, delta, qs, ks, qi, ki, tiling)
+            dq_t, dk_t, dv_t = jax.lax.cond(tile_visible(qs, ks, qi, ki, tiling.causal), grads, zeros)
+            return dq + dq_t, (dk_t, dv_t)
+
+        dq, (dk_b, dv_b) = jax.lax.scan(one_kv_block, jnp.zeros(q.shape, F32), kv_blocks)
+        return (dkv[0] + _merge(dk_b, 2), dkv[1] + _merge(dv_b, 2)), dq
+
+    dkv0 = (jnp.zeros(k_BHSK.shape, F32), jnp.zeros(v_BHSV.shape, F32))
+    (dk, dv), dq_b = jax.lax.scan(one_q_block, dkv0, q_blocks)
+    return _merge(dq_b, 2), dk, dv
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def blockwise_attention(q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index, kv_index, tiling: Tiling):
+    """o [B,H,Q,V] fp32 of q attending k/v under the shared mask (see the module docstring)."""
+    return _blockwise_forward(q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index, kv_index, tiling)[0]
+
+
+def _blockwise_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, tiling):
+    B, H, Q, _ = q.shape
+    state, _ = forward_tiles(init_softmax(B, H, Q, v.shape[-1]), q, k, v, q_seg, kv_seg, q_index, kv_index, tiling)
+    return finalize(state)
+
+
+def _blockwise_fwd(q, k, v, q_seg, kv_seg, q_index, kv_index, tiling):
+    o, lse = _blockwise_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, tiling)
+    return o, (q, k, v, q_seg, kv_seg, q_index, kv_index, o, lse)
+
+
+def _blockwise_bwd(tiling, res, do):
+    q, k, v, q_seg, kv_seg, q_index, kv_index, o, lse = res
+    do = do.astype(F32)
+    delta = jnp.sum(do * o, axis=-1)  # D_i = sum_v dO_iv O_iv, the softmax-Jacobian row term
+    dq, dk, dv = backward_tiles(q, k, v, do, lse, delta, q_seg, kv_seg, q_index, kv_index, tiling)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)

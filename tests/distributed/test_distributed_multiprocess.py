@@ -17,7 +17,7 @@ import pytest
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 TINY = ["data.seq_length=64", "data.global_batch_size=8", "parallel=data", "logger=none",
-        "train.progress_bar=false", "train.log_every=1", "checkpoint.save_every=100"]
+        "train.progress_bar=false", "train.log_every=1", "checkpoint.save_every=100", "train.eval_every=0"]
 
 
 def free_port() -> int:
@@ -41,7 +41,8 @@ def launch(num_processes: int, devices: int, run_dir: Path, overrides: list[str]
         out = run_dir.parent / f"{run_dir.name}.process{pid}.json"
         log = open(run_dir.parent / f"{run_dir.name}.process{pid}.log", "w")
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(run_dir), str(out), *TINY,
-                                       f"data.cache_dir={cache}", *overrides], stdout=log, stderr=subprocess.STDOUT))
+                                       f"data.cache_dir={cache}", *overrides], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT))
     return procs
 
 
@@ -64,11 +65,11 @@ def losses(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_same_losses(ours: list[dict], reference: list[dict], steps: list[int]) -> None:
+def assert_same_losses(ours: list[dict], reference: list[dict], steps: list[int], keys=("loss", "lm_loss")) -> None:
     assert [r["step"] for r in ours] == steps, [r["step"] for r in ours]
     by_step = {r["step"]: r for r in reference}
     for record in ours:
-        for key in ("loss", "lm_loss"):
+        for key in keys:
             ref = by_step[record["step"]][key]
             assert abs(record[key] - ref) <= 1e-6 * abs(ref), (record["step"], key, record[key], ref)
 
@@ -102,9 +103,10 @@ def test_two_processes_train_like_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_fsdp_tensor_train_like_one(tmp_path):
-    two, one, _ = run_both(tmp_path, ["parallel=fsdp_tensor", "checkpoint.enabled=false"], steps=2)
-    assert_same_losses(losses(two), losses(one), [1, 2])
+def test_two_processes_fsdp_tensor_train_and_evaluate_like_one(tmp_path):
+    evaluation = ["train.eval_every=1", "train.eval_batches=1", "train.eval_test=false"]
+    two, one, _ = run_both(tmp_path, ["parallel=fsdp_tensor", "checkpoint.enabled=false", *evaluation], steps=2)
+    assert_same_losses(losses(two), losses(one), [1, 2], keys=("loss", "lm_loss", "val_lm_loss"))
 
 
 @pytest.mark.slow

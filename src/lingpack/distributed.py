@@ -43,14 +43,16 @@ class DistributedConfig:
     num_processes: int | None = None
     process_id: int | None = None
     initialization_timeout_s: int = 300     # how long every process waits for the others
+    shutdown_timeout_s: int = 3600          # at exit, how long finished processes wait for process 0's writing
     compilation_cache_dir: str | None = None  # persistent XLA compilation cache (shared by runs and processes)
     compilation_cache_min_compile_s: float = 1.0  # only programs that took longer to compile are cached
 
     def __post_init__(self):
         if self.initialize not in ("auto", True, False):
             raise ValueError(f"distributed.initialize={self.initialize!r} must be auto, true or false")
-        if self.initialization_timeout_s < 1:
-            raise ValueError(f"distributed.initialization_timeout_s={self.initialization_timeout_s} must be >= 1")
+        for key in ("initialization_timeout_s", "shutdown_timeout_s"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"distributed.{key}={getattr(self, key)} must be >= 1")
 
 
 def local_or_url(path: str) -> str:
@@ -180,8 +182,9 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> bool:
     print(f"lingpack: process {pid} of {count} joining the coordinator at {address}; waiting up to {remaining} s "
           "for every process (an abort with DEADLINE_EXCEEDED below means one never arrived)",
           file=sys.stderr, flush=True)
+    # Process 0 still writes plots, summary and parity after training: the others wait for it at exit.
     jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=pid,
-                               initialization_timeout=remaining)
+                               initialization_timeout=remaining, shutdown_timeout_seconds=cfg.shutdown_timeout_s)
     _STARTED = resolved
     log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())

@@ -132,3 +132,14 @@ def test_coordinator_alone_gives_up_in_bounded_time(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert f"lingpack: process 0 of 2 joining the coordinator at 127.0.0.1:{port}; waiting up to 3 s" in proc.stderr
+
+
+def test_initialize_is_idempotent_per_process(monkeypatch):
+    """Every Hydra job of a sweep calls initialize again: same plan = no-op, a different one = error."""
+    started = {"coordinator_address": "h:1", "num_processes": 2, "process_id": 0}
+    monkeypatch.setattr(dist, "_STARTED", started)
+    assert dist.initialize(DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=0), {}) is True
+    with pytest.raises(DistributedError, match="already started"):
+        dist.initialize(DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=1), {})
+    monkeypatch.setattr(dist, "_STARTED", None)
+    assert dist.initialize(DistributedConfig(), {}) is False  # single process: nothing to start

@@ -102,14 +102,14 @@ def test_two_processes_train_like_one(tmp_path):
     assert (two / "checkpoints" / "2").is_dir()  # the final save, written by both processes
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # written for issue 12, not yet run to completion (the shared 2-core machine was saturated)
 def test_two_processes_fsdp_tensor_train_and_evaluate_like_one(tmp_path):
     evaluation = ["train.eval_every=1", "train.eval_batches=1", "train.eval_test=false"]
     two, one, _ = run_both(tmp_path, ["parallel=fsdp_tensor", "checkpoint.enabled=false", *evaluation], steps=2)
     assert_same_losses(losses(two), losses(one), [1, 2], keys=("loss", "lm_loss", "val_lm_loss"))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # written for issue 12, not yet run to completion (the shared 2-core machine was saturated)
 def test_two_process_checkpoint_restores_in_two_and_in_one_process(tmp_path):
     """Steps 1-2 in 2 processes, saved; resumed for steps 3-4 in 2 processes and (resharded) in 1 process
     with 4 devices: both equal an uninterrupted 4-step run."""

@@ -102,7 +102,7 @@ def test_two_processes_train_like_one(tmp_path):
     assert (two / "checkpoints" / "2").is_dir()  # the final save, written by both processes
 
 
-@pytest.mark.slow  # written for issue 12, not yet run to completion (the shared 2-core machine was saturated)
+@pytest.mark.slow
 def test_two_processes_fsdp_tensor_train_and_evaluate_like_one(tmp_path):
     evaluation = ["train.eval_every=1", "train.eval_batches=1", "train.eval_test=false"]
     two, one, _ = run_both(tmp_path, ["parallel=fsdp_tensor", "checkpoint.enabled=false", *evaluation], steps=2)

@@ -13,6 +13,7 @@ import types
 import typing
 
 from lingpack.data.config import DataConfig
+from lingpack.distributed import DistributedConfig
 from lingpack.kernels.kda import api as kda_api
 from lingpack.kernels.kda import gate as kda_gate
 from lingpack.models.ling3 import Ling3Config, config_from_dict
@@ -92,6 +93,7 @@ class RunConfig:
     parity: ParityConfig
     run_dir: str
     schedule: ContextSchedule = ContextSchedule()   # progressive context stages (experiment=context_schedule)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
 def _is_instance(value, annotation) -> bool:
@@ -224,7 +226,7 @@ def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tenso
 def build(cfg: dict, run_dir: str) -> RunConfig:
     """A resolved plain-dict config (OmegaConf.to_container(cfg, resolve=True)) -> RunConfig."""
     known = {"name", "seed", "model", "kernel", "data", "loss", "optim", "parallel", "checkpoint", "train",
-             "logger", "parity", "schedule", "hydra"}
+             "logger", "parity", "schedule", "distributed", "hydra"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {sorted(known - {'hydra'})}")
@@ -247,4 +249,5 @@ def build(cfg: dict, run_dir: str) -> RunConfig:
         checkpoint=make(CheckpointConfig, cfg.get("checkpoint"), "checkpoint"),
         train=train, logger=make(LoggerConfig, cfg.get("logger"), "logger"),
         parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir,
-        schedule=make(ContextSchedule, cfg.get("schedule"), "schedule"))
+        schedule=make(ContextSchedule, cfg.get("schedule"), "schedule"),
+        distributed=make(DistributedConfig, cfg.get("distributed"), "distributed"))

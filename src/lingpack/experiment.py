@@ -16,40 +16,27 @@ import statistics
 from pathlib import Path
 
 from lingpack import config as config_lib
+from lingpack import distributed
 from lingpack.kernels.kda import api as kda_api
 
 log = logging.getLogger("lingpack")
 
-_DISTRIBUTED_READY = False
 SUMMARY_FORMATS = {"final_lm_loss": ".4f", "first_lm_loss": ".4f", "tokens_per_s": ".0f",
                    "segments_per_row": ".2f", "phantom_overhead": ".3f", "packing_parity_rel": ".1e",
                    "parity_max_rel": ".1e", "parity_mean_rel": ".1e", "val_lm_loss": ".4f",
                    "val_ppl": ".2f", "test_lm_loss": ".4f", "test_ppl": ".2f"}
 
 
-def maybe_initialize_distributed() -> None:
-    """`jax.distributed.initialize()` once per process, only on multi-host launches (TPU pods, SLURM, env)."""
-    global _DISTRIBUTED_READY
-    if _DISTRIBUTED_READY:
-        return
-    multi_host = (os.environ.get("JAX_COORDINATOR_ADDRESS") or int(os.environ.get("SLURM_NTASKS", "1")) > 1
-                  or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0)
-    if multi_host:
-        import jax
-        jax.distributed.initialize()
-    _DISTRIBUTED_READY = True
-
-
-def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None):
-    from lingpack.tracking.metrics import MetricsLogger, is_main_process
+def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None, writer: bool):
+    from lingpack.tracking.metrics import MetricsLogger
     wandb = None
-    if rc.logger.kind == "wandb" and rc.logger.mode != "disabled" and is_main_process():
+    if writer and rc.logger.kind == "wandb" and rc.logger.mode != "disabled":
         from lingpack.tracking.wandb_logger import WandbLogger, persistent_run_id
         wandb = WandbLogger(project=rc.logger.project, group=rc.logger.group or group or rc.name,
                             job_type=rc.logger.job_type, name=rc.name, tags=list(rc.logger.tags),
                             dir=rc.run_dir, mode=rc.logger.mode, config=plain,
                             id=persistent_run_id(rc.run_dir), resume="allow")  # a rerun continues the same run
-    return MetricsLogger(rc.run_dir, wandb=wandb, console_every=rc.logger.console_every)
+    return MetricsLogger(rc.run_dir, wandb=wandb, console_every=rc.logger.console_every, main_process=writer)
 
 
 def uses_max_segs(rc: config_lib.RunConfig) -> bool:
@@ -111,17 +98,22 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
     """Train one job from a plain config dict; returns its summary dict (also written to summary.json).
 
     A run stopped by a signal returns promptly after its checkpoint: no packing / loss parity checks and
-    no plots (its rerun resumes, and then reports over the whole run).
+    no plots (its rerun resumes, and then reports over the whole run). On multi-host runs every process
+    calls this with the same config and run directory; all train and save their checkpoint shards,
+    process 0 alone writes W&B, metrics, plots and the summary.
     """
-    maybe_initialize_distributed()
-    os.makedirs(run_dir, exist_ok=True)
     rc = config_lib.build(plain, run_dir)
+    distributed.initialize(rc.distributed)
+    distributed.check_same_everywhere("run directory", os.path.abspath(run_dir))
+    writer = distributed.is_writer()  # the one place that decides who writes run records
+    os.makedirs(run_dir, exist_ok=True)
     _quiet_libraries()
-    _announce(rc)
+    if writer:
+        _announce(rc)
     from lingpack.train import loop
     from lingpack.tracking.table import summary_table
 
-    metrics_logger = _metrics_logger(rc, plain, group)
+    metrics_logger = _metrics_logger(rc, plain, group, writer)
     try:
         recorder = None
         if rc.parity.enabled:  # the parity harness compares lingpack's routing with the reference's
@@ -137,12 +129,16 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
         history = metrics_logger.records() or list(result.history)
         summary = run_summary(rc, history, result.preempted)
         summary.update({k: v for k, v in result.final_eval.items() if not k.endswith("_tokens")})
-        if not result.preempted:
-            if rc.parallel.context == 1:  # the per-document check runs single-device rows of the full length
-                summary["packing_parity_rel"] = _packing_parity(rc, result.final_model())["rel_diff"]
-            if rc.parity.enabled:
-                from lingpack.parity.harness import run_parity
-                summary.update(run_parity(rc, history, metrics_logger, routing=recorder and recorder.steps))
+        # the per-document check runs single-device rows of the full length (not under context parallelism)
+        check_packing = not result.preempted and rc.parallel.context == 1
+        model = result.final_model() if check_packing else None  # a collective on multi-host runs
+        if not writer:
+            return summary
+        if check_packing:
+            summary["packing_parity_rel"] = _packing_parity(rc, model)["rel_diff"]
+        if not result.preempted and rc.parity.enabled:
+            from lingpack.parity.harness import run_parity
+            summary.update(run_parity(rc, history, metrics_logger, routing=recorder and recorder.steps))
         metrics_logger.summary({k: v for k, v in summary.items() if v is not None})
         metrics_logger.export_csv()
         if not result.preempted:
@@ -154,10 +150,11 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
 
 
 def _packing_parity(rc: config_lib.RunConfig, model) -> dict:
-    """Loss of the first real batch packed vs every document alone, with the trained model (overflow dropped)."""
+    """Loss of the first real (global) batch packed vs every document alone, with the trained model
+    (overflow dropped)."""
     from lingpack.data.pipeline import make_iterator
     from lingpack.parity.packing import packing_parity
-    batch = next(make_iterator(rc.data, split="train"))
+    batch = next(make_iterator(rc.data, split="train", process_index=0, process_count=1))
     return packing_parity(model, batch, micro_batches=rc.train.micro_batches)
 
 

@@ -7,8 +7,8 @@
 A batch is a dict of int32 numpy arrays `[global_batch_size / process_count, seq_length]` with keys
 `inputs, targets, inputs_segmentation, targets_segmentation, inputs_position, targets_position`
 (see `split.py`). Global batch k holds samples `[k * B, (k + 1) * B)` in Megatron's reading order;
-host h of P takes rows `[h * B / P, (h + 1) * B / P)` of it, so the union over hosts is exactly
-Megatron's global batch. A trailing partial global batch is dropped.
+host h of P takes rows `[h * B / P, (h + 1) * B / P)` of it (or the rows its devices hold, `rows=`),
+so the union over hosts is exactly Megatron's global batch. A trailing partial global batch is dropped.
 
 Shuffling and epochs live in Megatron's indices (see `indices.py`), not in Grain, which is why the
 pipeline is a `MapDataset` end to end until `to_iter_dataset`: the iterator's state is just the next
@@ -32,24 +32,22 @@ __all__ = ["DataConfig", "make_dataset", "make_iterator", "batch_stats", "BATCH_
 
 @dataclasses.dataclass(frozen=True)
 class HostRows:
-    """Samples host `process_index` reads, in order: its rows of each global batch."""
+    """Samples this host reads, in order: rows `row_ids` of each global batch."""
 
     samples: MegatronSamples
     global_batch_size: int
-    process_index: int
-    process_count: int
+    row_ids: tuple[int, ...]
 
     @property
     def rows_per_host(self) -> int:
-        return self.global_batch_size // self.process_count
+        return len(self.row_ids)
 
     def __len__(self) -> int:
         return (len(self.samples) // self.global_batch_size) * self.rows_per_host
 
     def __getitem__(self, row: int) -> np.ndarray:
         batch, row_in_host = divmod(int(row), self.rows_per_host)
-        sample = batch * self.global_batch_size + self.process_index * self.rows_per_host + row_in_host
-        return self.samples[sample]
+        return self.samples[batch * self.global_batch_size + self.row_ids[row_in_host]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,27 +88,37 @@ def make_dataset(
     split: str = "train",
     process_index: int | None = None,
     process_count: int | None = None,
+    rows: tuple[int, ...] | None = None,
 ) -> grain.MapDataset:
-    """The host's batches as a random-access Grain MapDataset (batch k = this host's rows of k)."""
-    process_index, process_count = _processes(process_index, process_count)
-    if cfg.global_batch_size % process_count:
-        raise ValueError(
-            f"global_batch_size {cfg.global_batch_size} is not divisible by the "
-            f"{process_count} processes; make it a multiple of {process_count}"
-        )
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    """The host's batches as a random-access Grain MapDataset (batch k = this host's rows of k).
+
+    `rows`: the rows of every global batch this host reads (`distributed.process_rows` of the batch
+    sharding); default: block `process_index` of `process_count` equal contiguous blocks.
+    """
+    B = cfg.global_batch_size
+    if rows is None:
+        process_index, process_count = _processes(process_index, process_count)
+        if B % process_count:
+            raise ValueError(
+                f"global_batch_size {B} is not divisible by the "
+                f"{process_count} processes; make it a multiple of {process_count}"
+            )
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+        rows = tuple(range(process_index * B // process_count, (process_index + 1) * B // process_count))
+    if not rows or any(not 0 <= r < B for r in rows):
+        raise ValueError(f"host rows {rows} must be a non-empty subset of the global batch's rows [0, {B})")
     samples = build_samples(cfg, split)
     if len(samples) < cfg.global_batch_size:
         raise ValueError(
             f"the {split} split has {len(samples)} samples, fewer than one global batch of "
             f"{cfg.global_batch_size}; add data, lower global_batch_size or raise num_samples"
         )
-    rows = HostRows(samples, cfg.global_batch_size, process_index, process_count)
+    host_rows = HostRows(samples, B, tuple(int(r) for r in rows))
     return (
-        grain.MapDataset.source(rows)
+        grain.MapDataset.source(host_rows)
         .map(SplitWindow(cfg.split_options()))
-        .batch(rows.rows_per_host, drop_remainder=True, batch_fn=_stack)
+        .batch(host_rows.rows_per_host, drop_remainder=True, batch_fn=_stack)
     )
 
 
@@ -120,10 +128,11 @@ def make_iterator(
     split: str = "train",
     process_index: int | None = None,
     process_count: int | None = None,
+    rows: tuple[int, ...] | None = None,
 ) -> grain.DatasetIterator:
     """An iterator of this host's batches whose `get_state()` / `set_state()` resume exactly."""
     dataset = make_dataset(
-        cfg, split=split, process_index=process_index, process_count=process_count
+        cfg, split=split, process_index=process_index, process_count=process_count, rows=rows
     )
     read_options = grain.ReadOptions(
         num_threads=cfg.read_threads, prefetch_buffer_size=cfg.prefetch_buffer_size

@@ -14,13 +14,13 @@ stands for all (each host re-derives its own rows from it, see data/pipeline.py)
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 
 import jax
 import orbax.checkpoint as ocp
 
+from lingpack.distributed import local_or_url
 from lingpack.train.configs import CheckpointConfig
 from lingpack.train.step import TrainState
 
@@ -37,7 +37,7 @@ class Checkpointer:
 
     def __init__(self, cfg: CheckpointConfig):
         self.cfg = cfg
-        self.directory = os.path.abspath(os.path.expanduser(cfg.directory))
+        self.directory = local_or_url(cfg.directory)  # gs://... for pods without a shared disk
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
                                                enable_async_checkpointing=cfg.async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))

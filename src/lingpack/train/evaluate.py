@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from lingpack import distributed
 from lingpack.data.config import DataConfig
 from lingpack.parallel.context import context_parallel
 from lingpack.parallel.reorder import reorder_batch
@@ -106,6 +107,7 @@ class Evaluator:
     mesh: object = None
     rules: object = None
     context: object = None     # parallel.context.ContextParallel: batches are reordered like training's
+    global_rows: int | None = None  # rows of a global batch (this host holds `distributed.process_rows` of them)
 
     def evaluate(self, state, index: int) -> dict:
         first = index * self.eval_batches
@@ -118,19 +120,20 @@ class Evaluator:
             if self.context is not None and self.context.load_balance:
                 batch = reorder_batch(batch, self.context.size)
             if self.mesh is not None:
-                batch = shard_lib.shard_batch(batch, self.mesh, self.rules)
+                batch = shard_lib.shard_batch(batch, self.mesh, self.rules, self.global_rows)
             stats = self.eval_step(state.params, state.rest, batch)
             total = stats if total is None else jax.tree.map(jnp.add, total, stats)
-        return eval_metrics(jax.device_get(total), "val" if self.split == "valid" else self.split)
+        return eval_metrics(distributed.fetch(total), "val" if self.split == "valid" else self.split)
 
 
-def eval_dataset(data_cfg: DataConfig, train_cfg: TrainConfig, split: str):
-    """This host's batches of `split`, sized as Megatron sizes it (unless data.eval_num_samples is set)."""
+def eval_dataset(data_cfg: DataConfig, train_cfg: TrainConfig, split: str, rows: tuple[int, ...] | None = None):
+    """This host's batches of `split` (its `rows` of each), sized as Megatron sizes it (unless
+    data.eval_num_samples is set)."""
     from lingpack.data.pipeline import make_dataset
     size = data_cfg.eval_num_samples or split_sample_counts(train_cfg, data_cfg.global_batch_size)[split]
     cfg = dataclasses.replace(data_cfg, eval_num_samples=size, num_epochs=None)
     try:
-        return make_dataset(cfg, split=split)
+        return make_dataset(cfg, split=split, rows=rows)
     except ValueError as error:
         raise ValueError(f"evaluation (train.eval_every={train_cfg.eval_every}) cannot read the {split} split of "
                          f"data.split={data_cfg.split!r}: {error}. Give the {split} split a non-zero weight in "
@@ -147,12 +150,14 @@ def make_evaluators(model_def, data_cfg: DataConfig, loss_cfg: LossConfig, train
                           context=context)
     # Megatron evaluates the test split only when it owns data (its test dataset is None otherwise).
     has_test = split_bookends(data_cfg.split)[2] is not None
-    evaluators = {"valid": Evaluator("valid", eval_dataset(data_cfg, train_cfg, "valid"), train_cfg.eval_batches,
-                                     step, mesh, rules, context)}
+    B = data_cfg.global_batch_size
+    rows = None if mesh is None else distributed.process_rows(shard_lib.batch_sharding(mesh, rules), B)
+    evaluators = {"valid": Evaluator("valid", eval_dataset(data_cfg, train_cfg, "valid", rows), train_cfg.eval_batches,
+                                     step, mesh, rules, context, B)}
     if train_cfg.eval_test and has_test:
         try:
-            evaluators["test"] = Evaluator("test", eval_dataset(data_cfg, train_cfg, "test"), train_cfg.eval_batches,
-                                           step, mesh, rules, context)
+            evaluators["test"] = Evaluator("test", eval_dataset(data_cfg, train_cfg, "test", rows),
+                                           train_cfg.eval_batches, step, mesh, rules, context, B)
         except ValueError as error:  # a small corpus can leave the (tiny) test share empty: say so, go on
             log.warning("no test evaluation (train.eval_test=false silences this): %s", error.__cause__ or error)
     return evaluators

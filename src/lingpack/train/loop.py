@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from lingpack import distributed
 from lingpack.data.pipeline import make_iterator
 from lingpack.parallel.context import ContextParallel
 from lingpack.parallel.reorder import check_length, reorder_batch
@@ -81,7 +82,8 @@ class TrainResult:
 
     def final_model(self) -> nnx.Module:
         """The trained model as an NNX module (parameters in their model dtypes)."""
-        return self.model_def.merge(jax.device_get(self.state.params), jax.device_get(self.state.rest))
+        # Collective on multi-host runs: every process must call it.
+        return self.model_def.merge(*distributed.fetch((self.state.params, self.state.rest)))
 
 
 def make_model(model_cfg, seed: int) -> nnx.Module:
@@ -164,7 +166,8 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     for line in shard_lib.sharding_report(dropped):
         log.info(line)
 
-    iterator = make_iterator(data_cfg, split="train")
+    batch_sharding, B = shard_lib.batch_sharding(mesh, rules), data_cfg.global_batch_size
+    iterator = make_iterator(data_cfg, split="train", rows=distributed.process_rows(batch_sharding, B))
     ckpt = Checkpointer(ckpt_cfg) if ckpt_cfg.enabled else None
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
@@ -223,7 +226,7 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 if context is not None and context.load_balance:  # once per batch, every array (parallel/)
                     local = reorder_batch(local, context.size)
                 t0 = time.perf_counter()
-                state, metrics = step_fn(state, shard_lib.shard_batch(local, mesh, rules))
+                state, metrics = step_fn(state, distributed.global_batch(local, batch_sharding, B))
                 metrics = jax.device_get(metrics)  # waits for the step
                 if routing_callback is not None:
                     routing_callback(step + 1, metrics.pop("routing"))

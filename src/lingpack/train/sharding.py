@@ -116,15 +116,19 @@ def batch_divisor(mesh: Mesh, rules) -> int:
     return math.prod(mesh.shape[a] for a in _as_tuple(dict(rules).get("batch")))
 
 
-def shard_batch(batch: dict, mesh: Mesh, rules) -> dict:
-    """Host-local numpy batch (this process's rows of the global batch) -> global sharded jax arrays."""
-    sharding = NamedSharding(mesh, batch_spec(mesh, rules))
-    out = {}
-    for key, local in batch.items():
-        local = np.asarray(local)
-        global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
-        out[key] = jax.make_array_from_process_local_data(sharding, local, global_shape)
-    return out
+def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
+    return NamedSharding(mesh, batch_spec(mesh, rules))
+
+
+def shard_batch(batch: dict, mesh: Mesh, rules, global_rows: int | None = None) -> dict:
+    """This process's numpy rows (`distributed.process_rows` of `batch_sharding`) -> global sharded jax arrays.
+
+    `global_rows` defaults to the local rows times the process count (equal contiguous blocks).
+    """
+    from lingpack import distributed
+    if global_rows is None:
+        global_rows = len(next(iter(batch.values()))) * jax.process_count()
+    return distributed.global_batch(batch, batch_sharding(mesh, rules), global_rows)
 
 
 def sharding_report(dropped: list) -> list[str]:

@@ -1,0 +1,39 @@
+# Helpers shared by tpu_pod.sh and xpk.sh (sourced, not run).
+# shellcheck shell=bash
+
+DRY_RUN=${DRY_RUN:-0}
+
+# One argument as the shell would need it typed: bare when safe, else single-quoted.
+quote() {
+  if [[ $1 =~ ^[A-Za-z0-9_./:=@,+%-]+$ ]]; then
+    printf '%s' "$1"
+  else
+    printf "'%s'" "${1//\'/\'\\\'\'}"
+  fi
+}
+
+# Print a command line (quoted so it can be pasted) with a "+ " prefix.
+show() {
+  local out="+" arg
+  for arg in "$@"; do out+=" $(quote "$arg")"; done
+  printf '%s\n' "$out"
+}
+
+# Run a command, or only print it under --dry-run.
+run() {
+  show "$@"
+  if [[ $DRY_RUN == 1 ]]; then return 0; fi
+  "$@"
+}
+
+# All arguments quoted into one string: a command line for a remote shell.
+join_quoted() {
+  local out="" arg
+  for arg in "$@"; do out+="${out:+ }$(quote "$arg")"; done
+  printf '%s' "$out"
+}
+
+die() {
+  echo "$(basename "$0"): $*" >&2
+  exit 2
+}

@@ -13,3 +13,27 @@ if "xla_force_host_platform_device_count" not in flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# Heavy cases whose behaviour a lighter default-suite test already covers: run by `make test-all` only.
+HEAVY_DUPLICATES = {
+    "tests/runner/test_runner_smoke.py::test_overflowing_sweep_finishes_with_its_summary":
+        "overflow: tests/train/test_train_overflow.py; run.py end to end: the SIGTERM/resume smoke",
+    "tests/parity/test_parity_harness.py::test_ten_step_parity_fp32":
+        "the harness end to end: tests/parity/test_parity_routing.py (10 locked steps, clean run <= 1e-5)",
+    "tests/train/test_train_ling3.py::test_ling3_trains_on_bundled_corpus_and_checkpoints":
+        "bundled corpus + checkpoints: the run.py SIGTERM/resume smoke",
+    "tests/kernels/test_kda.py::test_packing_invariance[chunked_aligned]":
+        "aligned packing: tests/models/test_ling3.py packed == per document with chunked_aligned",
+    "tests/kernels/test_kda.py::test_other_documents_get_exactly_zero_gradient[False-chunked_aligned]":
+        "the same property for chunked; aligned leaks are caught by the per-document oracle tests",
+    "tests/models/test_ling3.py::test_packed_equals_per_document[reference-splash]":
+        "splash itself: tests/kernels/test_attention.py; model packing: the other pairings",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+    for item in items:
+        if item.nodeid in HEAVY_DUPLICATES:
+            item.add_marker(pytest.mark.slow)

@@ -61,19 +61,6 @@ def segmentation(n_docs: int, seed: int = 0) -> np.ndarray:
     return np.repeat(np.arange(1, n_docs + 1), lengths).astype(np.int32)[None]
 
 
-def pallas_calls(jaxpr, found=None):
-    found = [] if found is None else found
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found.append(eqn)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                if hasattr(inner, "eqns"):
-                    pallas_calls(inner, found)
-    return found
-
-
 def dma_bytes(eqn, prefetch) -> int:
     """HBM<->VMEM bytes moved by the pipeline of one pallas_call (see the module docstring)."""
     gm = eqn.params["grid_mapping"]
@@ -122,7 +109,7 @@ def vmem_bytes(eqn) -> int:
 
 
 def kernel_costs(fn, args, prefetch, dma=True) -> dict:
-    calls = pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr)
+    calls = pallas_common.pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr)
     out = {"kernels": {}}
     for eqn in calls:
         steps = math.prod(int(n) for n in eqn.params["grid_mapping"].grid)

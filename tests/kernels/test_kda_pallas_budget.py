@@ -18,18 +18,6 @@ H, K, V, C = 4, 128, 128, 64
 MIB = 2**20
 
 
-def pallas_calls(jaxpr, found):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found.append(eqn)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                if hasattr(inner, "eqns"):
-                    pallas_calls(inner, found)
-    return found
-
-
 def kernel_eqns(impl, T, dtype=jnp.bfloat16, grad=True, **kw):
     """The pallas_call equations of forward (+ gradient) at [1, T, H, K]."""
     shapes = [jax.ShapeDtypeStruct((1, T, H, K), dtype)] * 3 + [jax.ShapeDtypeStruct((1, T, H, K), jnp.float32),
@@ -41,7 +29,7 @@ def kernel_eqns(impl, T, dtype=jnp.bfloat16, grad=True, **kw):
                              interpret=False, **kw)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)) if grad else loss
-    return pallas_calls(jax.make_jaxpr(fn)(*shapes).jaxpr, [])
+    return pallas_common.pallas_calls(jax.make_jaxpr(fn)(*shapes).jaxpr)
 
 
 def traced_kernels(impl, T):

@@ -285,3 +285,17 @@ def cost_estimate(kind, steps, C, K, V, safe_gate, masked, fusion, args, out_sha
     moved = sum(nbytes(x) for x in args) + sum(nbytes(x) for x in jax.tree.leaves(out_shapes))
     return pl.CostEstimate(flops=int(steps * (c["mxu_flops"] + c["vpu_ops"])),
                            transcendentals=int(steps * c["transcendentals"]), bytes_accessed=int(moved))
+
+
+def pallas_calls(jaxpr, found=None) -> list:
+    """Every `pallas_call` equation in a (closed) jaxpr, nested jaxprs included (cost model and budget tests)."""
+    found = [] if found is None else found
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                if hasattr(inner, "eqns"):
+                    pallas_calls(inner, found)
+    return found

@@ -135,3 +135,16 @@ def test_splash_lowers_for_tpu_with_mla_head_dims():
     grad = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     bwd = jax.export.export(jax.jit(grad), platforms=["tpu"])(*shapes)
     assert bwd.mlir_module().count("tpu_custom_call") >= 3  # forward, dq, dkv kernels
+
+
+def test_flash_tile_counts_match_the_tiles_computed():
+    """`tile_counts` (what the bench logs) counts exactly the tiles the kernel computes, and it skips."""
+    from lingpack.kernels.attention.blockwise import Tiling, forward_tiles, init_softmax
+    from lingpack.kernels.attention.flash import tile_counts
+    seg = _segments([[64, 32, 16, 16], [128]], 128)
+    q, k, v = (jnp.asarray(x).swapaxes(1, 2) for x in _inputs(2, 128, 1, 8, 8))
+    index = jnp.arange(128)
+    _, computed = forward_tiles(init_softmax(2, 1, 128, 8), q, k, v, seg, seg, index, index, Tiling(1.0, True, 32, 32))
+    assert tile_counts(seg, block=32) == (int(computed), 16) == (10, 16)  # row 1's one document: causal tiles only
+    assert tile_counts(seg[:1], block=32) == (5, 16)                        # 3 for the 64-token document + 2 diagonal
+    assert tile_counts(seg[:1], block=32, causal=False) == (6, 16)

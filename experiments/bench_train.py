@@ -17,6 +17,8 @@ AdamW, expert-bias update) on one synthetic packed batch (log-normal document le
   how often a step runs it; also XLA's FLOP count per component. With `remat` the step recomputes each
   layer's forward once more, which the isolated timings do not include.
 * `--moe-ab`: one MoE layer with `ragged_dot` against the tiled grouped matmul, interleaved.
+* `--attention-ab T`: one MLA mixer at [1, T] packed with many documents, dense attention against
+  tile-skipping flash, interleaved, with flash's computed / total tiles.
 * `--hlo-ops`: operations in the lowered step, scanned and unrolled: what XLA must compile, free of load.
 Every number is a ratio or a time within this run on this machine; absolute times depend on the load.
 """
@@ -41,6 +43,7 @@ from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from lingpack.kernels.attention.flash import tile_counts  # noqa: E402
 from lingpack.models.block import DecoderLayer  # noqa: E402
 from lingpack.models.ling3 import Ling3, config_from_dict  # noqa: E402
 from lingpack.train import flops as flops_lib  # noqa: E402
@@ -51,7 +54,7 @@ from lingpack.train.step import ModelDef, init_fn, make_train_step  # noqa: E402
 
 # (config file, overrides, batch rows B, row length T): small shapes so a step takes seconds on a laptop CPU.
 MODELS = {
-    "tiny": ("ling3_tiny", {}, 8, 256),
+    "tiny": ("ling3_tiny", {"vocab_size": 512}, 8, 256),   # its file's vocabulary follows the data (null)
     "small": ("ling3_small", {}, 1, 256),
     "small24": ("ling3_small", {"num_layers": 24}, 1, 256),
     "small4": ("ling3_small", {"num_layers": 4}, 1, 256),   # the depth baseline of the compile-time goal
@@ -62,11 +65,12 @@ def model_config(name: str, **extra):
     file, overrides, B, T = MODELS[name]
     d = yaml.safe_load((ROOT / "conf" / "model" / f"{file}.yaml").read_text())
     d.update(overrides, **extra)
+    d.pop("vocab_size_divisible_by", None)  # a run-time padding rule (config.py), not a model key
     return config_from_dict(d), B, T
 
 
-def packed_batch(B: int, T: int, vocab: int, seed: int = 0) -> dict:
-    """Rows of log-normal documents (median T/4 tokens), the last row ending in padding."""
+def packed_batch(B: int, T: int, vocab: int, seed: int = 0, median_doc: int | None = None) -> dict:
+    """Rows of log-normal documents (median `median_doc`, default T/4 tokens), the last row ending in padding."""
     rng = np.random.default_rng(seed)
     seg = np.zeros((B, T), np.int32)
     pos = np.zeros((B, T), np.int32)
@@ -74,7 +78,7 @@ def packed_batch(B: int, T: int, vocab: int, seed: int = 0) -> dict:
         end = T - (T // 8 if b == B - 1 else 0)
         t, doc = 0, 1
         while t < end:
-            n = min(end - t, max(1, int(rng.lognormal(np.log(T / 4), 0.8))))
+            n = min(end - t, max(1, int(rng.lognormal(np.log(median_doc or T / 4), 0.8))))
             seg[b, t:t + n], pos[b, t:t + n] = doc, np.arange(n)
             t, doc = t + n, doc + 1
     tokens = rng.integers(0, vocab, (B, T + 1), dtype=np.int32)
@@ -215,6 +219,29 @@ def moe_ab(cfg, B: int, T: int, repeats: int) -> dict:
     return {"seconds": times, "xla_gflop": flops, "ragged_over_tiled": times["ragged_dot"] / times["tiled"]}
 
 
+def attention_ab(cfg, T: int, median_doc: int, repeats: int) -> dict:
+    """One MLA mixer forward + backward at [1, T] packed with many documents, with each attention kernel
+    (`dot_product`: dense masked [T, T]; `flash`: tiles, fully masked ones skipped), interleaved."""
+    kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
+    batch = packed_batch(1, T, cfg.vocab_size, median_doc=median_doc)
+    seg, pos = batch["inputs_segmentation"], batch["inputs_position"]
+    x = jax.random.normal(jax.random.key(1), (1, T, cfg.emb_dim), kw["dtype"])
+    fns, flops, grads = {}, {}, {}
+    for impl in ("dot_product", "flash"):
+        spec = dataclasses.replace(cfg.layer_spec("mla", "moe"), attention_impl=impl)
+        fn, params = _fwd_bwd(DecoderLayer(spec, **dict(kw, rngs=nnx.Rngs(0))).self_attn, lambda m, x: m(x, seg, pos))
+        fns[impl] = lambda f=fn, p=params: jax.block_until_ready(f(p, x))
+        flops[impl] = xla_flops(fn.lower(params, x).compile()) / 1e9
+        grads[impl] = jax.tree.leaves(fn(params, x))
+    diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+               for a, b in zip(grads["dot_product"], grads["flash"]))
+    times = interleaved(fns, repeats)
+    computed, total = tile_counts(seg, block=cfg.attention_block_size)
+    return {"T": T, "documents": int(seg.max()), "seconds": times, "xla_gflop": flops,
+            "dense_over_flash": times["dot_product"] / times["flash"], "max_abs_grad_difference": diff,
+            "flash_tiles": {"block": cfg.attention_block_size, "computed": computed, "total": total}}
+
+
 def hlo_ops(cfg, B: int, T: int) -> int:
     """Operations in the lowered (StableHLO) train step, traced on abstract state: compile work, load-free."""
     build = lambda: Ling3(cfg, rngs=nnx.Rngs(0))
@@ -233,6 +260,8 @@ def main():
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a top-level model key for every model (e.g. remat=false)")
     parser.add_argument("--moe-ab", action="store_true", help="only the MoE grouped-matmul A/B per model")
+    parser.add_argument("--attention-ab", type=int, default=0, metavar="T",
+                        help="only the MLA attention A/B (dense vs tile-skipping flash) at [1, T], median document T/16")
     parser.add_argument("--hlo-ops", action="store_true", help="only count the lowered step's ops, scanned and unrolled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -248,6 +277,12 @@ def main():
             result["models"][name] = row = {scan: hlo_ops(dataclasses.replace(cfg, scan_layers=scan), B, T)
                                             for scan in (True, False)}
             print(f"{name:8s} lowered step ops: scanned {row[True]}, unrolled {row[False]}", flush=True)
+            out.write_text(json.dumps(result, indent=2))
+            continue
+        if args.attention_ab:
+            result["models"][name] = row = attention_ab(cfg, args.attention_ab, args.attention_ab // 16, repeats)
+            print(f"{name:8s} MLA mixer fwd+bwd, T={row['T']}, {row['documents']} documents: {row['seconds']} s,"
+                  f" XLA GFLOP {row['xla_gflop']}, flash tiles {row['flash_tiles']}", flush=True)
             out.write_text(json.dumps(result, indent=2))
             continue
         if args.moe_ab:

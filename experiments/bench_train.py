@@ -41,8 +41,9 @@ from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from lingpack.config import KernelConfig, model_config as resolve_model_config  # noqa: E402
 from lingpack.models.block import DecoderLayer  # noqa: E402
-from lingpack.models.ling3 import Ling3, config_from_dict  # noqa: E402
+from lingpack.models.ling3 import Ling3  # noqa: E402
 from lingpack.train import flops as flops_lib  # noqa: E402
 from lingpack.train.configs import LossConfig, OptimConfig  # noqa: E402
 from lingpack.train.loss import token_xent  # noqa: E402
@@ -62,7 +63,9 @@ def model_config(name: str, **extra):
     file, overrides, B, T = MODELS[name]
     d = yaml.safe_load((ROOT / "conf" / "model" / f"{file}.yaml").read_text())
     d.update(overrides, **extra)
-    return config_from_dict(d), B, T
+    data_vocab = yaml.safe_load((ROOT / "conf" / "data" / "bundled.yaml").read_text())["vocab_size"]
+    kernel = KernelConfig(name=d["kda_impl"], chunk_size=d["kda_chunk_size"], max_segs=d.get("kda_max_segs"))
+    return resolve_model_config(d, kernel, data_vocab), B, T  # vocab_size null follows the bundled data, as run.py
 
 
 def packed_batch(B: int, T: int, vocab: int, seed: int = 0) -> dict:

@@ -138,7 +138,8 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
             summary["packing_parity_rel"] = _packing_parity(rc, model)["rel_diff"]
         if not result.preempted and rc.parity.enabled:
             from lingpack.parity.harness import run_parity
-            summary.update(run_parity(rc, history, metrics_logger, routing=recorder and recorder.steps))
+            summary.update(run_parity(rc, history, metrics_logger, routing=recorder and recorder.steps,
+                                      final_eval=result.final_eval))
         metrics_logger.summary({k: v for k, v in summary.items() if v is not None})
         metrics_logger.export_csv()
         if not result.preempted:

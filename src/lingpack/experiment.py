@@ -24,7 +24,7 @@ log = logging.getLogger("lingpack")
 SUMMARY_FORMATS = {"final_lm_loss": ".4f", "first_lm_loss": ".4f", "tokens_per_s": ".0f",
                    "segments_per_row": ".2f", "phantom_overhead": ".3f", "packing_parity_rel": ".1e",
                    "parity_max_rel": ".1e", "parity_mean_rel": ".1e", "val_lm_loss": ".4f",
-                   "val_ppl": ".2f", "test_lm_loss": ".4f", "test_ppl": ".2f"}
+                   "val_ppl": ".2f", "test_lm_loss": ".4f", "test_ppl": ".2f", "val_parity_max_rel": ".1e"}
 
 
 def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None, writer: bool):

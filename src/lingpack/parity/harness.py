@@ -180,7 +180,7 @@ def _validation_parity(history: list[dict], reference: list[dict], reference_fin
               f"{sorted(ours)}, end-of-run {sorted(k for k in final_eval if k.endswith('_lm_loss'))})")
     summary = {"val_parity_max_rel": result.max_rel, "val_parity_passed": bool(result.passed and not unmatched),
                "val_parity_evaluations": len(result.rows)}
-    summary.update({f"reference_{k}": v for k, v in reference_final.items() if k.endswith("_lm_loss")})
+    summary.update({f"reference_{k}": v for k, v in reference_final.items() if k.endswith("_loss")})
     return summary
 
 

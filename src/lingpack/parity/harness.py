@@ -10,6 +10,7 @@ Validation: the reference evaluates megatron-core's valid split at lingpack's ev
 `train.eval_every` steps, `train.eval_batches` global batches, evaluation k on valid batches
 [k * eval_batches, (k + 1) * eval_batches), as Megatron's never-rewound valid iterator) and, after its last
 step, the next valid batches and the test split when lingpack did; Megatron's token-weighted eval reduction.
+The reference routes its evaluations itself, also under `parity.lock_routing` (lingpack's are not traced).
 Its `val_lm_loss` / `test_lm_loss` are compared with lingpack's apart from training (`tracking.compare`'s
 validation parity): `parity/validation_parity.csv` and the summary's `val_parity_*`.
 

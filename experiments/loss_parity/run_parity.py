@@ -6,7 +6,9 @@ Runs `python run.py experiment=loss_parity` in fp32 (routing free and routing-lo
 with bf16 compute (fp32 master weights), all against the fp32 reference, and writes `results.md` (the
 README's table), `results.json` and the plots. Each MoE variant also traces routing on both sides: the
 first step where the two sides' expert selections differ, its MoE layer and the decision margin of the
-flipped tokens (`<run>/parity/routing.json`).
+flipped tokens (`<run>/parity/routing.json`). Both sides evaluate the valid split every `train.eval_every`
+steps and, at the end, the valid and test splits on the same samples (`<run>/parity/validation_parity.csv`):
+the validation column is the largest relative difference of those evaluations.
 """
 
 from __future__ import annotations
@@ -48,19 +50,30 @@ def main():
                      "final_lm_loss": summary["final_lm_loss"], "max_rel_diff": summary["parity_max_rel"],
                      "mean_rel_diff": summary["parity_mean_rel"], "tolerance": tolerance,
                      "first_step_over": _first_over(run_dir, tolerance),
-                     "passed": summary["parity_max_rel"] <= tolerance, **_routing(run_dir)})
+                     "passed": summary["parity_max_rel"] <= tolerance, **_routing(run_dir),
+                     "val_max_rel_diff": summary.get("val_parity_max_rel"),
+                     "val_evaluations": summary.get("val_parity_evaluations")})
     lines = ["| variant | steps | lm loss first -> last | max rel diff | mean rel diff | target | first step over target "
-             "| first routing flip: step (layer), margin | rel diff before flip -> worst after |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| first routing flip: step (layer), margin | rel diff before flip -> worst after "
+             "| validation max rel diff (evaluations) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['steps']} | {r['first_lm_loss']:.4f} -> {r['final_lm_loss']:.4f} | "
                      f"{r['max_rel_diff']:.2e} | {r['mean_rel_diff']:.2e} | <= {r['tolerance']:g} | "
-                     f"{r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} |")
+                     f"{r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} | {_validation(r)} |")
+    if any(r["val_evaluations"] is None for r in rows):
+        lines.append("\nnot evaluated: the run predates the reference's evaluation (rerun the variant to fill it).")
     if any(r["variant"].endswith("(previous run)") for r in rows):
         lines.append("\n(previous run): kept by --reuse from a run of an earlier version of this script and reference.")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     print("\n".join(lines))
+
+
+def _validation(row: dict) -> str:
+    if row["val_evaluations"] is None:
+        return "not evaluated"
+    return f"{row['val_max_rel_diff']:.2e} ({row['val_evaluations']})"
 
 
 def _routing(run_dir: Path) -> dict:

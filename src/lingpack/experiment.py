@@ -24,7 +24,7 @@ log = logging.getLogger("lingpack")
 SUMMARY_FORMATS = {"final_lm_loss": ".4f", "first_lm_loss": ".4f", "tokens_per_s": ".0f",
                    "segments_per_row": ".2f", "phantom_overhead": ".3f", "packing_parity_rel": ".1e",
                    "parity_max_rel": ".1e", "parity_mean_rel": ".1e", "val_lm_loss": ".4f",
-                   "val_ppl": ".2f", "test_lm_loss": ".4f", "test_ppl": ".2f"}
+                   "val_ppl": ".2f", "test_lm_loss": ".4f", "test_ppl": ".2f", "val_parity_max_rel": ".1e"}
 
 
 def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None, writer: bool):
@@ -138,7 +138,8 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
             summary["packing_parity_rel"] = _packing_parity(rc, model)["rel_diff"]
         if not result.preempted and rc.parity.enabled:
             from lingpack.parity.harness import run_parity
-            summary.update(run_parity(rc, history, metrics_logger, routing=recorder and recorder.steps))
+            summary.update(run_parity(rc, history, metrics_logger, routing=recorder and recorder.steps,
+                                      final_eval=result.final_eval))
         metrics_logger.summary({k: v for k, v in summary.items() if v is not None})
         metrics_logger.export_csv()
         if not result.preempted:

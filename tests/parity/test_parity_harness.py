@@ -1,4 +1,5 @@
-"""The loss-parity harness: lingpack vs the Megatron-semantics PyTorch reference, 10 steps, fp32, rel <= 1e-6."""
+"""The loss-parity harness: lingpack vs the Megatron-semantics PyTorch reference, 10 steps, fp32, rel <= 1e-6
+(training and validation losses)."""
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +34,15 @@ def test_ten_step_parity_fp32(tmp_path):
     from lingpack.parity.harness import run_parity
     from lingpack.train import loop
     rc = parity_config(tmp_path, ["train.steps=10", "data.num_samples=40", "data.global_batch_size=4",
-                                  "data.seq_length=96", "logger=none", "train.progress_bar=false"])
+                                  "data.seq_length=96", "logger=none", "train.progress_bar=false",
+                                  "train.eval_every=5", "train.eval_batches=1"])
     result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train)
-    summary = run_parity(rc, result.history)
+    summary = run_parity(rc, result.history, final_eval=result.final_eval)
     assert summary["parity_steps"] == 10
     assert summary["parity_max_rel"] <= 1e-6, summary  # measured <= 2e-7 over these 10 steps
+    # validation at steps 5 and 10, then end-of-run valid and test, on the same samples on both sides
+    assert summary["val_parity_evaluations"] == 4 and summary["val_parity_passed"], summary
+    assert summary["val_parity_max_rel"] <= 1e-6, summary
     assert (Path(rc.run_dir) / "parity" / "parity.csv").exists()
     losses = [h["lm_loss"] for h in result.history]
     assert losses[-1] < losses[0]  # training moved, so agreement is not just at the initial weights

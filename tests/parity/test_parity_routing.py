@@ -1,4 +1,5 @@
 """The routing trace and routing-locked parity: lingpack's MoE selections against the reference's."""
+import csv
 import dataclasses
 import json
 from pathlib import Path
@@ -55,15 +56,16 @@ def test_from_lingpack_orders_micro_batches_into_rows():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """lingpack trained 10 fp32 steps with its routing recorded (shared by the tests below)."""
+    """lingpack trained 10 fp32 steps with its routing recorded, the valid split evaluated at steps 5 and 10
+    and at the end with the test split (1 batch each); shared by the tests below."""
     from lingpack.parity.harness import RoutingRecorder
     from lingpack.train import loop
     tmp = tmp_path_factory.mktemp("routing")
-    rc = parity_config(tmp, ["train.steps=10", *SMALL])
+    rc = parity_config(tmp, ["train.steps=10", "train.eval_every=5", "train.eval_batches=1", *SMALL])
     recorder = RoutingRecorder(rc.data.seq_length)
     result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
                         routing_callback=recorder)
-    return rc, result.history, recorder.steps
+    return rc, result.history, recorder.steps, result.final_eval
 
 
 def _with(rc, run_dir, **parity):
@@ -72,11 +74,20 @@ def _with(rc, run_dir, **parity):
 
 def test_routing_locked_ten_step_parity(trained, tmp_path):
     from lingpack.parity.harness import run_parity
-    rc, history, routing = trained
+    rc, history, routing, final_eval = trained
     assert set(routing) == set(range(1, 11))
-    summary = run_parity(_with(rc, tmp_path, lock_routing=True), history, routing=routing)
+    summary = run_parity(_with(rc, tmp_path, lock_routing=True), history, routing=routing, final_eval=final_eval)
     assert summary["parity_lock_routing"] and summary["parity_steps"] == 10
     assert summary["parity_max_rel"] <= 1e-5, summary
+    # validation (the reference routes with its own choices there): steps 5, 10, end-of-run valid and test
+    rows = list(csv.DictReader(open(tmp_path / "parity" / "validation_parity.csv")))
+    assert [r["where"] for r in rows] == ["step 5", "step 10", "end valid", "end test"]
+    assert summary["val_parity_passed"] and summary["val_parity_max_rel"] <= 1e-6, summary
+    for split in ("val", "test"):  # the router z-loss is reported apart, as lingpack's
+        assert summary[f"reference_{split}_moe_z_loss"] == pytest.approx(final_eval[f"{split}_moe_z_loss"], rel=1e-6)
+    # step 10 and the end-of-run evaluation see the same weights but other valid batches: far apart
+    step10, end = float(rows[1]["megatron"]), float(rows[2]["megatron"])
+    assert abs(step10 - end) > 1e-4 * end
     trace = json.loads((tmp_path / "parity" / "routing.json").read_text())
     assert trace["steps"] == 10  # the reference's own choices were still traced against lingpack's
     assert trace["first_flip"] is None and summary["routing_total_flips"] == 0
@@ -85,7 +96,7 @@ def test_routing_locked_ten_step_parity(trained, tmp_path):
 def test_trace_reports_an_injected_flip_and_none_without_one(trained, tmp_path):
     from lingpack.parity.harness import run_parity
     from lingpack.train import loop
-    rc, history, routing = trained
+    rc, history, routing, _ = trained
     clean = run_parity(_with(rc, tmp_path / "clean"), history[:2], routing=routing)  # routing not locked
     assert clean["routing_first_flip_step"] is None and clean["routing_total_flips"] == 0
     assert clean["parity_max_rel"] <= 1e-5

@@ -6,6 +6,14 @@ train the same number of steps; the per-step `lm_loss` and its relative differen
 (the reference as its own `job_type=megatron_reference` run in the same group), written to
 `parity/parity.csv` and plotted to `parity/parity.png` in the run directory.
 
+Validation: the reference evaluates megatron-core's valid split at lingpack's eval steps (every
+`train.eval_every` steps, `train.eval_batches` global batches, evaluation k on valid batches
+[k * eval_batches, (k + 1) * eval_batches), as Megatron's never-rewound valid iterator) and, after its last
+step, the next valid batches and the test split when lingpack did; Megatron's token-weighted eval reduction.
+The reference routes its evaluations itself, also under `parity.lock_routing` (lingpack's are not traced).
+Its `val_lm_loss` / `test_lm_loss` are compared with lingpack's apart from training (`tracking.compare`'s
+validation parity): `parity/validation_parity.csv` and the summary's `val_parity_*`.
+
 Routing: given lingpack's routing trace (`RoutingRecorder`, fed by the training loop), the reference's
 own choices are compared with it token by token (`parity/routing.py`): the first step and MoE layer where
 the chosen experts differ, how close to a tie those tokens were, and the loss difference before and after,
@@ -54,10 +62,14 @@ class RoutingRecorder:
         self.steps[step] = from_lingpack(routing, self.seq_length)
 
 
-def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None, routing: dict | None = None) -> dict:
-    """Train the reference for len(history) steps and compare with lingpack's per-step lm_loss.
+def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None, routing: dict | None = None,
+               final_eval: dict | None = None) -> dict:
+    """Train the reference for len(history) steps and compare with lingpack's per-step lm_loss and its
+    validation losses (history's `val_lm_loss`).
 
     `routing`: lingpack's `{step: trace}` (a RoutingRecorder's `steps`); required by `parity.lock_routing`.
+    `final_eval`: lingpack's end-of-run evaluations (`TrainResult.final_eval`); the reference evaluates the same
+    splits after its last step.
     """
     import json
 
@@ -68,9 +80,14 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
     from lingpack.tracking.parity import compute_parity, write_parity_csv
     from lingpack.tracking.plots import plot_loss_curves, plot_parity
     from lingpack.train import loop, loss as loss_lib, optim as optim_lib
+    from lingpack.train.evaluate import eval_num_samples
 
     torch.manual_seed(0)
     steps = len(history)
+    eval_every, eval_batches, final_eval = rc.train.eval_every, rc.train.eval_batches, final_eval or {}
+    if final_eval and steps != rc.train.steps:
+        raise ValueError(f"final_eval is lingpack's evaluation after train.steps={rc.train.steps}; the reference "
+                         f"would evaluate after {steps} steps: pass the whole run's history")
     lock = getattr(rc.parity, "lock_routing", False)
     if lock and (routing is None or any(int(h.get("step", i + 1)) not in routing for i, h in enumerate(history))):
         raise ValueError("parity.lock_routing=true needs lingpack's routing for every step: train with "
@@ -79,10 +96,12 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
     hf_model = reference_model(rc.model, jax_model)
     z_weight, bias_rate = loss_lib.resolve_moe_weights(rc.loss, rc.model.moe)
     num_samples = rc.data.num_samples or steps * rc.data.global_batch_size
+    splits = ["valid"] + (["test"] if "test_lm_loss" in final_eval else [])  # test only where lingpack had one
+    eval_samples = {s: eval_num_samples(rc.data, rc.train, s) for s in splits} if eval_every else None
     trainer = MegatronReferenceTrainer(
         hf_model, rc.data, optim_lib.resolve(rc.optim, rc.train.steps), rc.loss,
         micro_batches=rc.train.micro_batches, num_samples=num_samples, moe_z_loss_weight=z_weight,
-        expert_bias_rate=bias_rate, cache_dir=rc.data.cache_dir)
+        expert_bias_rate=bias_rate, cache_dir=rc.data.cache_dir, eval_samples=eval_samples)
     reference_wandb = _reference_wandb(rc)
     reference, reference_routing = [], {}
     start = time.perf_counter()
@@ -93,9 +112,16 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
         ours = float(history[step]["lm_loss"])
         record.update(lingpack_lm_loss=ours, rel_diff=abs(ours - record["lm_loss"]) / abs(record["lm_loss"]),
                       tokens=history[step].get("tokens", (step + 1) * rc.data.global_batch_size * rc.data.seq_length))
+        if eval_every and number % eval_every == 0:  # Megatron's eval_interval, as lingpack's loop
+            record.update(trainer.evaluate("valid", number // eval_every - 1, eval_batches))
         reference.append(record)
         if reference_wandb is not None:
             reference_wandb.log(step, {k: v for k, v in record.items() if k != "step"})
+    reference_final = {}  # Megatron's end-of-training evaluations: the next valid batches, the test split's first
+    if "val_lm_loss" in final_eval:
+        reference_final.update(trainer.evaluate("valid", rc.train.steps // eval_every, eval_batches))
+    if "test_lm_loss" in final_eval:
+        reference_final.update(trainer.evaluate("test", 0, eval_batches))
     seconds = time.perf_counter() - start
     result = compute_parity({r["step"]: r["lm_loss"] for r in reference},
                             {r["step"]: r["lingpack_lm_loss"] for r in reference},
@@ -103,6 +129,7 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
     out = Path(rc.run_dir) / "parity"
     out.mkdir(parents=True, exist_ok=True)
     write_parity_csv(result, out / "parity.csv")
+    validation = _validation_parity(history, reference, reference_final, final_eval, rc.parity.tolerance, out)
     trace = None
     if routing is not None and trainer.routers:
         trace = routing_lib.compare(routing, reference_routing, rc.model.moe)
@@ -118,6 +145,7 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
     summary = {"parity_max_rel": result.max_rel, "parity_mean_rel": result.mean_rel,
                "parity_passed": bool(result.passed), "parity_tolerance": rc.parity.tolerance,
                "parity_steps": steps, "reference_seconds": seconds, "parity_lock_routing": bool(lock)}
+    summary.update(validation)
     if trace is not None:
         summary.update(routing_first_flip_step=flip["step"] if flip else None,
                        routing_first_flip_layer=flip["layer"] if flip else None,
@@ -129,6 +157,31 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
     if metrics_logger is not None:
         metrics_logger.summary({k: v for k, v in summary.items() if v is not None})
     print(result.summary())
+    return summary
+
+
+def _validation_parity(history: list[dict], reference: list[dict], reference_final: dict, final_eval: dict,
+                       tolerance: float, out: Path) -> dict:
+    """The reference's evaluations against lingpack's (tracking.compare's validation parity) -> summary keys.
+
+    Every reference evaluation must meet a lingpack one: one without a partner fails the comparison."""
+    from lingpack.tracking.compare import compare_validation, report_validation
+    theirs = [{"step": r["step"], "val_lm_loss": r["val_lm_loss"]} for r in reference if "val_lm_loss" in r]
+    if "val_lm_loss" in reference_final:
+        theirs.append({"step": reference[-1]["step"], "val_lm_loss": reference_final["val_lm_loss"], "final": True})
+    theirs_test = [reference_final] if "test_lm_loss" in reference_final else []
+    if not theirs and not theirs_test:
+        return {}
+    ours = {int(h["step"]): float(h["val_lm_loss"]) for h in history if "val_lm_loss" in h}
+    result = compare_validation(theirs, theirs_test, ours, final_eval, tolerance)
+    report_validation(result, out)
+    unmatched = len(theirs) + len(theirs_test) - len(result.rows)
+    if unmatched:
+        print(f"VALIDATION PARITY FAILED: {unmatched} reference evaluations have no lingpack value (its eval steps "
+              f"{sorted(ours)}, end-of-run {sorted(k for k in final_eval if k.endswith('_lm_loss'))})")
+    summary = {"val_parity_max_rel": result.max_rel, "val_parity_passed": bool(result.passed and not unmatched),
+               "val_parity_evaluations": len(result.rows)}
+    summary.update({f"reference_{k}": v for k, v in reference_final.items() if k.endswith("_loss")})
     return summary
 
 

@@ -19,7 +19,10 @@
   are replaced by lingpack's for the same tokens, weights still from this side's own scores;
 * optimiser: torch AdamW driven by megatron-core's `OptimizerParamScheduler` (warmup + cosine/linear
   decay, weight decay through `wd_mult`, 0 on norms/biases/A_log/dt_bias), global-norm clipping with
-  Megatron's `max_norm / (norm + 1e-6)`.
+  Megatron's `max_norm / (norm + 1e-6)`;
+* evaluation: megatron-core's valid / test `GPTDataset` (same builder call, Megatron's split sizes), the
+  k-th evaluation on valid batches [k * eval_iters, (k + 1) * eval_iters), forward only, every (loss sum,
+  token count) summed over micro-batches, ranks and batches before dividing, as Megatron's `evaluate`.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ class _Tokenizer:
             [("class", "lingpack.parity"), ("eod", eod), ("pad", pad), ("vocab_size", vocab_size)])
 
 
-def megatron_train_dataset(data_cfg, num_samples: int, cache_dir: str | None = None):
-    """megatron-core's GPTDataset for the train split of `data_cfg` (single prefix or blend)."""
+def megatron_datasets(data_cfg, sizes: list, cache_dir: str | None = None):
+    """megatron-core's (train, valid, test) GPTDatasets of `data_cfg` (single prefix or blend), `sizes` samples
+    each (Megatron's `train_valid_test_num_samples`; megatron-core builds every split independently)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.utils import get_blend_from_list
@@ -48,8 +52,7 @@ def megatron_train_dataset(data_cfg, num_samples: int, cache_dir: str | None = N
         tokenizer=_Tokenizer(data_cfg.eod_id, data_cfg.pad_id, data_cfg.vocab_size),
         reset_position_ids=data_cfg.reset_position_ids, reset_attention_mask=data_cfg.reset_attention_mask,
         eod_mask_loss=data_cfg.eod_mask_loss, create_attention_mask=False)
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], lambda: True, config).build()
-    return train
+    return BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
 
 
 def documents(tokens: np.ndarray, eod_id: int, reset_attention_mask: bool) -> list[tuple[int, int]]:
@@ -65,13 +68,19 @@ class MegatronReferenceTrainer:
     """Trains a transformers KimiLinearForCausalLM exactly as Megatron-LM would on packed samples."""
 
     def __init__(self, hf_model, data_cfg, optim_cfg, loss_cfg, *, micro_batches: int, num_samples: int,
-                 moe_z_loss_weight: float = 0.0, expert_bias_rate: float = 0.0, cache_dir: str | None = None):
+                 moe_z_loss_weight: float = 0.0, expert_bias_rate: float = 0.0, cache_dir: str | None = None,
+                 eval_samples: dict | None = None):
+        """`eval_samples`: {"valid": n, "test": m}, the sizes the evaluation splits are built with (none: no
+        evaluation; megatron-core then builds them one epoch long, unused)."""
         import torch
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         self.torch = torch
         self.model, self.data_cfg, self.optim_cfg, self.loss_cfg = hf_model, data_cfg, optim_cfg, loss_cfg
         self.micro_batches, self.moe_z_weight, self.bias_rate = micro_batches, moe_z_loss_weight, expert_bias_rate
-        self.dataset = megatron_train_dataset(data_cfg, num_samples, cache_dir)
+        eval_samples = eval_samples or {}
+        self.dataset, *evaluation = megatron_datasets(
+            data_cfg, [num_samples, eval_samples.get("valid"), eval_samples.get("test")], cache_dir)
+        self.eval_datasets = dict(zip(("valid", "test"), evaluation))
         decay, no_decay = [], []
         for name, param in hf_model.named_parameters():  # Megatron/Ling3: no decay on norms, biases, A_log, dt_bias
             plain = param.ndim < 2 or name.endswith(("bias", "A_log", "dt_bias"))
@@ -107,12 +116,13 @@ class MegatronReferenceTrainer:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return router_logits, weights * module.routed_scaling_factor, ids
 
-    def _group(self, samples: list[dict], locked_ids=None):
+    def _group(self, samples: list[dict], locked_ids=None, z_weight: float | None = None):
         """One (micro-batch, rank) group, every document in its own row, starting at position 0.
 
         Rows are right-padded to the longest document; the model is causal, so padding after a document
         cannot change its logits, and padded positions are masked out of the loss and the router statistics.
-        `locked_ids` [L, R, T, k] (lingpack's choice for these R rows) replaces the routers' own.
+        `locked_ids` [L, R, T, k] (lingpack's choice for these R rows) replaces the routers' own. `z_weight`
+        replaces the router z-loss weight (evaluation reports it unweighted).
         Returns (loss sum, loss count, real tokens, per-router z-loss, per-router loads, routing [L, R, T, .]).
         """
         torch = self.torch
@@ -144,7 +154,8 @@ class MegatronReferenceTrainer:
         for n, (router_logits, own_ids) in enumerate(self._captured):
             own = own_ids[index]                                         # [R*T, k] in lingpack's token order
             used = own if locked is None else locked[n]
-            z.append(z_loss_func(router_logits, self.moe_z_weight, padding_mask=padding))  # weight * mean over real
+            weight = self.moe_z_weight if z_weight is None else z_weight
+            z.append(z_loss_func(router_logits, weight, padding_mask=padding))  # weight * mean over real tokens
             loads.append(torch.bincount(used.reshape(-1), minlength=self.routers[n].num_experts))
             routing["expert_ids"].append(own.reshape(len(samples), T, -1).numpy())
             routing["router_logits"].append(router_logits[index].detach().reshape(len(samples), T, -1).numpy())
@@ -190,6 +201,41 @@ class MegatronReferenceTrainer:
         return ({"step": step, "lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr,
                  "loss_tokens": float(lm_total)}, routing)
 
+    def evaluate(self, split: str, index: int, eval_batches: int) -> dict:
+        """Megatron's `evaluate` with the current weights: evaluation `index` of `split`, no gradient.
+
+        Reads global batches [index * eval_batches, (index + 1) * eval_batches) of megatron-core's dataset (the
+        never-rewound valid iterator; `eval_sample_range`), runs them in training's (micro-batch, rank) groups
+        and sums every loss sum and token count over groups and batches before dividing. Returns
+        `train/evaluate.py`'s metrics (val_* or test_*): lm loss, PPL, tokens and the unweighted router z-loss
+        (mean over MoE layers, token-weighted); this model has no MTP head.
+        """
+        torch = self.torch
+        from lingpack.train.evaluate import eval_metrics
+        dataset = self.eval_datasets.get(split)
+        B, groups = self.data_cfg.global_batch_size, self.micro_batches * self.loss_cfg.megatron_dp_size
+        samples = eval_sample_range(index, eval_batches, B)
+        if dataset is None or samples.stop > len(dataset):
+            raise ValueError(f"evaluation {index} needs {split} samples up to {samples.stop} but megatron-core built "
+                             f"{0 if dataset is None else len(dataset)}: pass eval_samples={{{split!r}: ...}}")
+        per_group = B // groups
+        totals = np.zeros(3)                     # lm loss sum, loss tokens, real tokens
+        z_sum = np.zeros(len(self.routers))      # per MoE layer: sum of logsumexp^2 over real tokens
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for start in samples[::per_group]:  # Megatron's order: batch, micro-batch, rank
+                    loss_sum, count, real, z, _, _ = self._group(
+                        [dataset[i] for i in range(start, start + per_group)], z_weight=1.0)
+                    totals += [float(loss_sum), float(count), real]
+                    z_sum += np.array([float(v) * real for v in z])  # z_loss_func's mean over real tokens -> sum
+        finally:
+            self.model.train(was_training)
+        stats = {"lm_sum": totals[0], "lm_tokens": totals[1], "mtp_sum": np.zeros(0), "mtp_tokens": np.zeros(0),
+                 "moe_z_sum": z_sum, "moe_z_tokens": np.full(len(z_sum), totals[2])}
+        return eval_metrics(stats, "val" if split == "valid" else split)
+
     def _update_expert_bias(self, loads: list) -> None:
         """megatron-core's update on the step's loads [L, E], re-centred (Ling3), into the routers' buffers."""
         torch = self.torch
@@ -199,6 +245,12 @@ class MegatronReferenceTrainer:
         with torch.no_grad():
             for router, bias in zip(self.routers, updated):
                 router.e_score_correction_bias.copy_(bias - bias.mean())
+
+
+def eval_sample_range(index: int, eval_batches: int, global_batch_size: int) -> range:
+    """Samples of evaluation `index`: Megatron's valid iterator is never rewound, so evaluation k reads global
+    batches [k * eval_batches, (k + 1) * eval_batches) (the test split is evaluated once, k = 0)."""
+    return range(index * eval_batches * global_batch_size, (index + 1) * eval_batches * global_batch_size)
 
 
 def megatron_objective(groups: list, loss_cfg, num_groups: int, *, with_z: bool = True):

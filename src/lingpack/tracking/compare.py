@@ -122,16 +122,9 @@ def main(argv: list | None = None) -> int:
 
     validation = validation_parity(baseline, args.run, args.tolerance, args.step_offset)
     if validation.rows:
-        columns = ["where", "megatron", "lingpack", "abs_diff", "rel_diff", "exceeds"]
-        rows = [dict(r.__dict__, where=w) for w, r in zip(validation.labels, validation.rows)]
-        print(summary_table(rows, columns, title="validation lm loss parity",
-                            formats={"megatron": ".6f", "lingpack": ".6f", "abs_diff": ".3e", "rel_diff": ".3e"}))
-        write_csv(rows, out / "validation_parity.csv", columns=columns)
+        report_validation(validation, out)
         summary["validation"] = validation.summary()
         (out / "parity_summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
-        if not validation.passed:
-            print(f"VALIDATION PARITY FAILED: {len(validation.failures)} of {len(validation.rows)} evaluations "
-                  f"exceed rel tolerance {args.tolerance:g} (max rel {validation.max_rel:.3g}).")
     elif baseline.validation:
         print("validation: the Megatron log has validation lines but the run logged no val_lm_loss "
               "(set train.eval_every to Megatron's --eval-interval)")
@@ -150,27 +143,46 @@ def main(argv: list | None = None) -> int:
 
 
 def validation_parity(baseline, run_dir, tolerance: float, step_offset: int = 0):
-    """Periodic and end-of-run validation (and test) lm loss, Megatron vs lingpack, pointwise.
-
-    Returns a ParityResult whose extra attribute `labels` names each row ("step N", "end valid", "end test").
-    """
+    """Periodic and end-of-run validation (and test) lm loss of a Megatron log vs a lingpack run directory."""
     records = read_metrics(run_dir)
     ours = {int(r["step"]) + step_offset: float(r["val_lm_loss"]) for r in records if "val_lm_loss" in r}
     summary_path = Path(run_dir) / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    pairs = [(f"step {r['step']}", r["val_lm_loss"], ours.get(r["step"])) for r in baseline.validation
+    return compare_validation(baseline.validation, baseline.test, ours, summary, tolerance)
+
+
+def compare_validation(megatron_validation: list, megatron_test: list, periodic: dict, final: dict,
+                       tolerance: float):
+    """Megatron's validation records (`MegatronRun.validation` / `.test` layout) vs lingpack's, pointwise.
+
+    `periodic`: lingpack's {step: val_lm_loss}; `final`: its end-of-run `val_lm_loss` / `test_lm_loss`.
+    Returns a ParityResult whose extra attribute `labels` names each row ("step N", "end valid", "end test").
+    """
+    pairs = [(f"step {r['step']}", r["val_lm_loss"], periodic.get(r["step"])) for r in megatron_validation
              if not r.get("final") and "val_lm_loss" in r]
-    finals = [r for r in baseline.validation if r.get("final") and "val_lm_loss" in r]
-    if finals and "val_lm_loss" in summary:
-        pairs.append(("end valid", finals[-1]["val_lm_loss"], summary["val_lm_loss"]))
-    tests = [r for r in baseline.test if "test_lm_loss" in r]
-    if tests and "test_lm_loss" in summary:
-        pairs.append(("end test", tests[-1]["test_lm_loss"], summary["test_lm_loss"]))
+    finals = [r for r in megatron_validation if r.get("final") and "val_lm_loss" in r]
+    if finals and "val_lm_loss" in final:
+        pairs.append(("end valid", finals[-1]["val_lm_loss"], final["val_lm_loss"]))
+    tests = [r for r in megatron_test if "test_lm_loss" in r]
+    if tests and "test_lm_loss" in final:
+        pairs.append(("end test", tests[-1]["test_lm_loss"], final["test_lm_loss"]))
     pairs = [p for p in pairs if p[2] is not None]
     result = compute_parity({i: p[1] for i, p in enumerate(pairs, 1)}, {i: p[2] for i, p in enumerate(pairs, 1)},
                             tolerance=tolerance, metric="val_lm_loss", mode="pointwise", interval=1)
     result.labels = [p[0] for p in pairs]
     return result
+
+
+def report_validation(validation, out: Path) -> None:
+    """Print the validation parity table, write `out`/validation_parity.csv and say when it failed."""
+    columns = ["where", "megatron", "lingpack", "abs_diff", "rel_diff", "exceeds"]
+    rows = [dict(r.__dict__, where=w) for w, r in zip(validation.labels, validation.rows)]
+    print(summary_table(rows, columns, title="validation lm loss parity",
+                        formats={"megatron": ".6f", "lingpack": ".6f", "abs_diff": ".3e", "rel_diff": ".3e"}))
+    write_csv(rows, out / "validation_parity.csv", columns=columns)
+    if not validation.passed:
+        print(f"VALIDATION PARITY FAILED: {len(validation.failures)} of {len(validation.rows)} evaluations "
+              f"exceed rel tolerance {validation.tolerance:g} (max rel {validation.max_rel:.3g}).")
 
 
 if __name__ == "__main__":

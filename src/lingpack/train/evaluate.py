@@ -40,6 +40,11 @@ def split_sample_counts(train_cfg: TrainConfig, global_batch_size: int) -> dict[
     return {"valid": (train_cfg.steps // train_cfg.eval_every + 1) * per_eval, "test": per_eval}
 
 
+def eval_num_samples(data_cfg: DataConfig, train_cfg: TrainConfig, split: str) -> int:
+    """Samples the `split` dataset is built with: data.eval_num_samples, else Megatron's count."""
+    return data_cfg.eval_num_samples or split_sample_counts(train_cfg, data_cfg.global_batch_size)[split]
+
+
 def make_eval_step(model_def, loss_cfg: LossConfig, *, micro_batches: int, mesh=None, rules=None, context=None):
     """Jitted `(params, rest, batch) -> additive loss statistics` of one global batch, forward only.
 
@@ -130,8 +135,7 @@ def eval_dataset(data_cfg: DataConfig, train_cfg: TrainConfig, split: str, rows:
     """This host's batches of `split` (its `rows` of each), sized as Megatron sizes it (unless
     data.eval_num_samples is set)."""
     from lingpack.data.pipeline import make_dataset
-    size = data_cfg.eval_num_samples or split_sample_counts(train_cfg, data_cfg.global_batch_size)[split]
-    cfg = dataclasses.replace(data_cfg, eval_num_samples=size, num_epochs=None)
+    cfg = dataclasses.replace(data_cfg, eval_num_samples=eval_num_samples(data_cfg, train_cfg, split), num_epochs=None)
     try:
         return make_dataset(cfg, split=split, rows=rows)
     except ValueError as error:

@@ -202,6 +202,11 @@ def breakdown(cfg, B: int, T: int, repeats: int, step_s: float) -> list:
         rows.append({"component": name, "calls": count, "seconds_each": times[name],
                      "seconds_per_step": times[name] * count, "share_of_step": times[name] * count / step_s,
                      "xla_gflop_per_step": flops * count / 1e9})
+        if name == "MLA mixer":  # query x key tiles flash computes on this batch (all of them for dot_product)
+            seg = packed_batch(B, T, cfg.vocab_size)["inputs_segmentation"]
+            computed, total = tile_counts(seg, block=cfg.attention_block_size)
+            rows[-1]["attention_tiles"] = {"impl": cfg.attention_impl, "block": cfg.attention_block_size,
+                                           "flash_computed": computed, "total": total}
     return sorted(rows, key=lambda r: -r["seconds_per_step"])
 
 
@@ -300,7 +305,8 @@ def main():
             row["breakdown"] = breakdown(cfg, B, T, repeats, row["step_s"])
             for r in row["breakdown"]:
                 print(f"    {r['component']:34s} x{r['calls']:2d} {r['seconds_per_step']:7.3f} s"
-                      f" ({100 * r['share_of_step']:5.1f}% of the step) {r['xla_gflop_per_step']:8.2f} GFLOP", flush=True)
+                      f" ({100 * r['share_of_step']:5.1f}% of the step) {r['xla_gflop_per_step']:8.2f} GFLOP"
+                      f" {r.get('attention_tiles', '')}", flush=True)
         result["models"][name] = row
         out.write_text(json.dumps(result, indent=2))  # after every model: a long run that dies keeps its rows
     print(f"wrote {out}")

@@ -6,7 +6,7 @@ Layout `[B, T, H, K]` for q and k, `[B, T, H, V]` for v (V may differ from K, as
 
 Implementations (`impl`):
   dot_product  masked [T, T] reference, fp32 softmax (the oracle)
-  flash        blockwise online softmax in jnp with a recomputing custom VJP: O(T) memory
+  flash        query x key tiles, online softmax in jnp, fully masked tiles skipped, recomputing VJP: O(T) memory
   splash       the Pallas TPU splash kernel with SegmentIds (interpret mode off-TPU)
 """
 

@@ -2,9 +2,10 @@
 
     python experiments/loss_parity/run_parity.py [--steps 50] [--out experiments/loss_parity/results]
 
-Runs `python run.py experiment=loss_parity` in fp32 (routing free and routing-locked), with dense FFNs and
-with bf16 compute (fp32 master weights), all against the fp32 reference, and writes `results.md` (the
-README's table), `results.json` and the plots. Each MoE variant also traces routing on both sides: the
+Runs `python run.py experiment=loss_parity` on the default Ling3 (lower-bound gate, RoPE MLA, MTP) and, as
+KimiLinear alone expresses it (softplus gate, NoPE MLA, no MTP), in fp32 (routing free and routing-locked),
+with dense FFNs and with bf16 compute (fp32 master weights), all against the fp32 reference, and writes
+`results.md` (the README's table; `table(results.json rows)`), `results.json` and the plots. Each MoE variant also traces routing on both sides: the
 first step where the two sides' expert selections differ, its MoE layer and the decision margin of the
 flipped tokens (`<run>/parity/routing.json`).
 """
@@ -19,11 +20,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+KIMI = ["model.mtp_num_layers=0", "model.kda.lower_bound=null", "model.mla.rope_type=none"]  # KimiLinear's model
 VARIANTS = {  # name -> (overrides, relative tolerance); every variant runs against the fp32 reference
-    "fp32": (["model.dtype=float32"], 1e-4),
-    "fp32 routing locked": (["model.dtype=float32", "parity.lock_routing=true"], 1e-4),
-    "fp32 dense FFN": (["model.dtype=float32", "model.first_dense_layers=4"], 1e-4),
-    "bf16 compute": (["model.dtype=bfloat16"], 1e-2),
+    "fp32": (KIMI + ["model.dtype=float32"], 1e-4),
+    "fp32 routing locked": (KIMI + ["model.dtype=float32", "parity.lock_routing=true"], 1e-4),
+    "fp32 dense FFN": (KIMI + ["model.dtype=float32", "model.first_dense_layers=4"], 1e-4),
+    "bf16 compute": (KIMI + ["model.dtype=bfloat16"], 1e-2),
+    "default Ling3 fp32": (["model.dtype=float32"], 1e-4),   # safe gate, RoPE MLA, MTP: the model users train
 }
 
 
@@ -37,7 +40,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, (overrides, tolerance) in VARIANTS.items():
-        run_dir = out / name.replace(" ", "_")
+        run_dir = run_dir_of(name, out)
         if not (args.reuse and (run_dir / "summary.json").exists()):
             shutil.rmtree(run_dir, ignore_errors=True)
             run_variant(run_dir, overrides, tolerance, args.steps)
@@ -49,6 +52,13 @@ def main():
                      "mean_rel_diff": summary["parity_mean_rel"], "tolerance": tolerance,
                      "first_step_over": _first_over(run_dir, tolerance),
                      "passed": summary["parity_max_rel"] <= tolerance, **_routing(run_dir)})
+    (out / "results.md").write_text(table(rows))
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    print(table(rows))
+
+
+def table(rows: list[dict]) -> str:
+    """results.md (the README's table) from results.json's rows."""
     lines = ["| variant | steps | lm loss first -> last | max rel diff | mean rel diff | target | first step over target "
              "| first routing flip: step (layer), margin | rel diff before flip -> worst after |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -58,9 +68,11 @@ def main():
                      f"{r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} |")
     if any(r["variant"].endswith("(previous run)") for r in rows):
         lines.append("\n(previous run): kept by --reuse from a run of an earlier version of this script and reference.")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps(rows, indent=2))
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def run_dir_of(variant: str, out: Path) -> Path:
+    return out / variant.removesuffix(" (previous run)").replace(" ", "_")
 
 
 def _routing(run_dir: Path) -> dict:

@@ -67,7 +67,7 @@ def documents(tokens: np.ndarray, eod_id: int, reset_attention_mask: bool) -> li
 
 
 class MegatronReferenceTrainer:
-    """Trains a transformers KimiLinearForCausalLM exactly as Megatron-LM would on packed samples."""
+    """Trains the reference Ling3 (reference_model.Ling3Reference) exactly as Megatron-LM would on packed samples."""
 
     def __init__(self, hf_model, data_cfg, optim_cfg, loss_cfg, *, micro_batches: int, num_samples: int,
                  moe_z_loss_weight: float = 0.0, expert_bias_rate: float = 0.0, cache_dir: str | None = None,
@@ -164,7 +164,8 @@ class MegatronReferenceTrainer:
             loads.append(torch.bincount(used.reshape(-1), minlength=self.routers[n].num_experts))
             routing["expert_ids"].append(own.reshape(len(samples), T, -1).numpy())
             routing["router_logits"].append(router_logits[index].detach().reshape(len(samples), T, -1).numpy())
-        return torch.sum(xent(logits, labels) * mask), torch.sum(mask), int((~padding).sum()), z, loads, routing, mtp_terms
+        lm_sum = torch.sum(xent(logits, labels) * mask)
+        return lm_sum, torch.sum(mask), int((~padding).sum()), z, loads, routing, mtp_terms
 
     def step(self, step: int, locked: dict | None = None) -> tuple[dict, dict]:
         """One optimizer step on global batch `step` -> (Megatron's reported metrics, this side's routing or None).
@@ -206,7 +207,7 @@ class MegatronReferenceTrainer:
             routing["expert_bias"] = bias
         record = {"step": step, "lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr, "loss_tokens": float(lm_total)}
         if self.model.mtp:  # Megatron's MTP tracker: per-(micro-batch, rank) token means, averaged, then over depths
-            record["mtp_loss"] = float(np.mean([[float(s) / max(float(c), 1.0) for s, c in r[6]] for r in results]))
+            record["mtp_loss"] = float(np.mean([[float(s.detach()) / max(float(c), 1.0) for s, c in r[6]] for r in results]))
         return record, routing
 
     def _update_expert_bias(self, loads: list) -> None:

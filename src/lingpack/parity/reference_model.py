@@ -96,11 +96,10 @@ class Ling3Reference(nn.Module):
         kimi_cfg._experts_implementation = "eager"   # KimiLinearExperts' own per-expert loop
         causal_lm = kimi.KimiLinearForCausalLM(kimi_cfg).float()
         self.model, self.lm_head = causal_lm.model, causal_lm.lm_head
-        self.model.embed_tokens.padding_idx = None   # Megatron's embedding trains every row (torch zeroes padding_idx's gradient)
+        self.model.embed_tokens.padding_idx = None   # torch zeroes padding_idx's gradient; Megatron trains every row
         self.mtp = nn.ModuleList([MTPLayer(kimi_cfg, "moe" if cfg.mtp.use_moe else "dense")
                                   for _ in range(cfg.mtp_num_layers)])
-        blocks = [(i, layer) for i, layer in enumerate(self.model.layers)] + [(0, m.block) for m in self.mtp]
-        for i, block in blocks:
+        for i, block in list(enumerate(self.model.layers)) + [(0, m.block) for m in self.mtp]:
             if isinstance(block.self_attn, kimi.KimiLinearDeltaAttention) and cfg.kda.lower_bound is not None:
                 block.self_attn.forget_gate = LowerBoundForgetGate(block.self_attn.forget_gate, cfg.kda.lower_bound)
             elif isinstance(block.self_attn, kimi.KimiLinearAttention) and cfg.mla.rope_type == "rope":
@@ -111,7 +110,7 @@ class Ling3Reference(nn.Module):
         """Token ids [R, L] (one document per row from its start, right-padded), positions [R, L], and per MTP
         depth (rolled ids [R, L], keep [R, L]: 0 where the roll left the document) -> (logits, MTP logits)."""
         n = input_ids.shape[1]
-        causal = torch.full((n, n), float("-inf")).triu(1)[None, None]   # additive mask; padding sits after each document
+        causal = torch.full((n, n), float("-inf")).triu(1)[None, None]   # additive; padding follows each document
         masks = {"full_attention": causal, "linear_attention": None}
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:

@@ -1,12 +1,12 @@
 """The default Ling3 (conf/model/ling3_tiny.yaml: safe KDA gate, RoPE MLA with partial interleaved rotary, MoE,
-MTP) against its PyTorch reference (parity/reference_model.py run by megatron_reference.py): the step's lm and
-MTP losses and every parameter's gradient, lingpack's training gradient vs the reference's, on packed samples.
+MTP) against its PyTorch reference (parity/reference_model.py run by megatron_reference.py) on packed samples:
+lm and MTP loss sums, router z-losses and expert loads per MoE layer (default suite); the step's losses and
+every parameter's training gradient, 2 micro-batches (slow: the jitted gradient compiles for ~25 s CPU).
 
 The samples are Megatron's: windows with EODs, `loss_mask` / `position_ids` from megatron-core's own
 `_get_ltor_masks_and_position_ids`, lingpack's batch from `data/split.py`. Weights are scaled to O(1)
 activations, the KDA gates reach the -5 bound and the expert biases are nonzero, so nothing is vacuous.
 """
-import dataclasses
 import types
 from pathlib import Path
 
@@ -32,11 +32,11 @@ VOCAB, EOD, T = 64, 63, 40
 DOCS = [[12, 1, 27], [40], [3, 30, 7], [18, 22]]   # document lengths per sample (EOD included): a length-1 one
 
 
-def default_model_config(**overrides):
+def default_model_config():
     """conf/model/ling3_tiny.yaml as the runner builds it, with a small vocabulary."""
     d = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[2] / "conf/model/ling3_tiny.yaml"))
     d.pop("vocab_size_divisible_by")
-    return dataclasses.replace(config_from_dict({**d, "vocab_size": VOCAB}), **overrides)
+    return config_from_dict({**d, "vocab_size": VOCAB})
 
 
 def o1_model(cfg, seed=0):

@@ -5,9 +5,10 @@
 Runs `python run.py experiment=loss_parity` on the default Ling3 (lower-bound gate, RoPE MLA, MTP) and, as
 KimiLinear alone expresses it (softplus gate, NoPE MLA, no MTP), in fp32 (routing free and routing-locked),
 with dense FFNs and with bf16 compute (fp32 master weights), all against the fp32 reference, and writes
-`results.md` (the README's table; `table(results.json rows)`), `results.json` and the plots. Each MoE variant also traces routing on both sides: the
-first step where the two sides' expert selections differ, its MoE layer and the decision margin of the
-flipped tokens (`<run>/parity/routing.json`).
+`results.md` (the README's table, `table(rows of results.json)`), `results.json` and the plots. Each MoE
+variant also traces routing on both sides: the first step where the two sides' expert selections differ,
+its MoE layer and the decision margin of the flipped tokens (`<run>/parity/routing.json`).
+`--reuse --steps 10` added the "default Ling3 fp32" row (10 steps) beside the earlier 50-step runs.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@
 
 A table sits in README.md between `<!-- results: NAME -->` and `<!-- /results -->`; NAME's artifact below
 is a Markdown file written by the named script. The check fails when a block differs from its artifact,
-when a block or artifact is missing, or when bench_kda.md no longer renders from bench_kda.json (whose
-derived ratios must also follow from its own timings). `--write` copies the artifacts into README.md.
+when a block or artifact is missing, or when a Markdown artifact no longer renders from its JSON:
+bench_kda.md from bench_kda.json (whose derived ratios must also follow from its own timings), the Pallas
+cost reports from results.json, the loss-parity table from results.json, whose rows must match each run's
+summary.json and cover every variant of run_parity.py. `--write` copies the artifacts into README.md.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ ARTIFACTS = {   # README block -> (artifact, the committed script that writes it
     "loss_parity": ("experiments/loss_parity/results/results.md", "experiments/loss_parity/run_parity.py"),
     "make_run": ("experiments/make_run/results/results.md", "experiments/make_run/run_default.py"),
     "context_parallel": ("experiments/context_parallel/results/results.md", "experiments/context_parallel/bench.py"),
+    "pallas_cost": ("experiments/pallas_cost/readme.md", "experiments/pallas_cost/cost_model.py"),
 }
 BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
 
@@ -43,6 +46,37 @@ def _bench_problems() -> list[str]:
     return problems
 
 
+def _pallas_problems() -> list[str]:
+    """The Pallas cost reports (results.md, and readme.md for the README) must render from results.json."""
+    sys.path.insert(0, str(ROOT / "experiments" / "pallas_cost"))
+    from cost_model import markdown, readme_markdown
+    folder = ROOT / "experiments" / "pallas_cost"
+    results = json.loads((folder / "results.json").read_text())
+    return [f"experiments/pallas_cost/{name} does not render from results.json: python "
+            "experiments/pallas_cost/cost_model.py --report"
+            for name, render in (("results.md", markdown), ("readme.md", readme_markdown))
+            if render(results) != (folder / name).read_text()]
+
+
+def _loss_parity_problems() -> list[str]:
+    """results.md renders from results.json, whose rows are the runs' own summaries, one per variant of the script."""
+    sys.path.insert(0, str(ROOT / "experiments" / "loss_parity"))
+    from run_parity import VARIANTS, run_dir_of, table
+    out = ROOT / "experiments" / "loss_parity" / "results"
+    rows, problems = json.loads((out / "results.json").read_text()), []
+    if table(rows) != (out / "results.md").read_text():
+        problems.append("experiments/loss_parity/results/results.md does not render from results.json")
+    named = {r["variant"].removesuffix(" (previous run)") for r in rows}
+    problems += [f"loss parity: no row for the variant {v!r}: python experiments/loss_parity/run_parity.py --reuse"
+                 for v in VARIANTS if v not in named]
+    for r in rows:
+        summary = json.loads((run_dir_of(r["variant"], out) / "summary.json").read_text())
+        if (r["max_rel_diff"], r["mean_rel_diff"], r["steps"]) != (
+                summary["parity_max_rel"], summary["parity_mean_rel"], summary["parity_steps"]):
+            problems.append(f"loss parity row {r['variant']!r} differs from its run's summary.json")
+    return problems
+
+
 def problems(readme: str) -> list[str]:
     found = {m.group(2): m.group(3) for m in BLOCK.finditer(readme)}
     out = [f"README.md has a results block {name!r} with no artifact" for name in sorted(set(found) - set(ARTIFACTS))]
@@ -55,7 +89,7 @@ def problems(readme: str) -> list[str]:
         elif found[name] != path.read_text():
             out.append(f"README.md's {name!r} block differs from {artifact} (written by {script});"
                        " python experiments/check_results.py --write copies it in")
-    return out + _bench_problems()
+    return out + _bench_problems() + _pallas_problems() + _loss_parity_problems()
 
 
 def write(readme: str) -> str:

@@ -2,13 +2,15 @@
 
     python experiments/loss_parity/run_parity.py [--steps 50] [--out experiments/loss_parity/results]
 
-Runs `python run.py experiment=loss_parity` in fp32 (routing free and routing-locked), with dense FFNs and
-with bf16 compute (fp32 master weights), all against the fp32 reference, and writes `results.md` (the
-README's table), `results.json` and the plots. Each MoE variant also traces routing on both sides: the
-first step where the two sides' expert selections differ, its MoE layer and the decision margin of the
-flipped tokens (`<run>/parity/routing.json`). Both sides evaluate the valid split every `train.eval_every`
-steps and, at the end, the valid and test splits on the same samples (`<run>/parity/validation_parity.csv`):
-the validation column is the largest relative difference of those evaluations.
+Runs `python run.py experiment=loss_parity` on the default Ling3 (lower-bound gate, RoPE MLA, MTP) and, as
+KimiLinear alone expresses it (softplus gate, NoPE MLA, no MTP), in fp32 (routing free and routing-locked),
+with dense FFNs and with bf16 compute (fp32 master weights), all against the fp32 reference, and writes
+`results.md` (the README's table, `table(rows of results.json)`), `results.json` and the plots. Each MoE
+variant also traces routing on both sides: the first step where the two sides' expert selections differ,
+its MoE layer and the decision margin of the flipped tokens (`<run>/parity/routing.json`). Both sides
+evaluate the valid split every `train.eval_every` steps and, at the end, the valid and test splits on the same
+samples (`<run>/parity/validation_parity.csv`): the validation column is the largest relative difference.
+`--reuse --steps 10` added the "default Ling3 fp32" row (10 steps) beside the earlier 50-step runs.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+KIMI = ["model.mtp_num_layers=0", "model.kda.lower_bound=null", "model.mla.rope_type=none"]  # KimiLinear's model
 VARIANTS = {  # name -> (overrides, relative tolerance); every variant runs against the fp32 reference
-    "fp32": (["model.dtype=float32"], 1e-4),
-    "fp32 routing locked": (["model.dtype=float32", "parity.lock_routing=true"], 1e-4),
-    "fp32 dense FFN": (["model.dtype=float32", "model.first_dense_layers=4"], 1e-4),
-    "bf16 compute": (["model.dtype=bfloat16"], 1e-2),
+    "fp32": (KIMI + ["model.dtype=float32"], 1e-4),
+    "fp32 routing locked": (KIMI + ["model.dtype=float32", "parity.lock_routing=true"], 1e-4),
+    "fp32 dense FFN": (KIMI + ["model.dtype=float32", "model.first_dense_layers=4"], 1e-4),
+    "bf16 compute": (KIMI + ["model.dtype=bfloat16"], 1e-2),
+    "default Ling3 fp32": (["model.dtype=float32"], 1e-4),   # safe gate, RoPE MLA, MTP: the model users train
 }
 
 
@@ -39,7 +43,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, (overrides, tolerance) in VARIANTS.items():
-        run_dir = out / name.replace(" ", "_")
+        run_dir = run_dir_of(name, out)
         if not (args.reuse and (run_dir / "summary.json").exists()):
             shutil.rmtree(run_dir, ignore_errors=True)
             run_variant(run_dir, overrides, tolerance, args.steps)
@@ -53,6 +57,13 @@ def main():
                      "passed": summary["parity_max_rel"] <= tolerance, **_routing(run_dir),
                      "val_max_rel_diff": summary.get("val_parity_max_rel"),
                      "val_evaluations": summary.get("val_parity_evaluations")})
+    (out / "results.md").write_text(table(rows))
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    print(table(rows))
+
+
+def table(rows: list[dict]) -> str:
+    """results.md (the README's table) from results.json's rows."""
     lines = ["| variant | steps | lm loss first -> last | max rel diff | mean rel diff | target | first step over target "
              "| first routing flip: step (layer), margin | rel diff before flip -> worst after "
              "| validation max rel diff (evaluations) |",
@@ -61,17 +72,19 @@ def main():
         lines.append(f"| {r['variant']} | {r['steps']} | {r['first_lm_loss']:.4f} -> {r['final_lm_loss']:.4f} | "
                      f"{r['max_rel_diff']:.2e} | {r['mean_rel_diff']:.2e} | <= {r['tolerance']:g} | "
                      f"{r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} | {_validation(r)} |")
-    if any(r["val_evaluations"] is None for r in rows):
+    if any(r.get("val_evaluations") is None for r in rows):
         lines.append("\nnot evaluated: the run predates the reference's evaluation (rerun the variant to fill it).")
     if any(r["variant"].endswith("(previous run)") for r in rows):
         lines.append("\n(previous run): kept by --reuse from a run of an earlier version of this script and reference.")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps(rows, indent=2))
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def run_dir_of(variant: str, out: Path) -> Path:
+    return out / variant.removesuffix(" (previous run)").replace(" ", "_")
 
 
 def _validation(row: dict) -> str:
-    if row["val_evaluations"] is None:
+    if row.get("val_evaluations") is None:
         return "not evaluated"
     return f"{row['val_max_rel_diff']:.2e} ({row['val_evaluations']})"
 

@@ -19,7 +19,7 @@ bf16-operand one = 1) and each kernel's pipeline VMEM (every in/out block double
 the vmem_limit_bytes it sets. `--src DIR --label before` traces another checkout's `src` (e.g. the tree
 before issue 17, `git archive 16217d5 src | tar -x -C /tmp/before`) and writes only its budget rows.
 
-    .venv/bin/python experiments/pallas_cost/cost_model.py [--time]   # writes results.json and results.md
+    .venv/bin/python experiments/pallas_cost/cost_model.py [--time]   # writes results.json, results.md, readme.md
     .venv/bin/python experiments/pallas_cost/cost_model.py --src /tmp/before/src --label before
 """
 
@@ -310,16 +310,48 @@ def markdown(results) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_markdown(results) -> str:
+    """The README's two Pallas tables (before/after issue 17; segment-native vs cu_seqlens), from results.json."""
+    budget = {(r["label"], r["impl"], r["T"]): r for r in results["budget"] if r["precision"] == "by dtype"}
+    lines = ["| tree | impl | grid steps | MXU GFLOP | bf16 MXU passes (G) | max kernel VMEM at T=512K |",
+             "|---|---|---:|---:|---:|---:|"]
+    for impl in ("pallas_segment", "pallas_varlen"):
+        for label in ("before", "after"):
+            short, long = budget[(label, impl, T)], budget[(label, impl, max(BUDGET_T))]
+            growth = "constant" if long["max_vmem_bytes"] == short["max_vmem_bytes"] else "grows with T"
+            lines.append(f"| {'before issue 17' if label == 'before' else 'after'} | `{impl}`"
+                         f"{' (max_segs 64)' if impl == 'pallas_varlen' else ''} | {short['steps']} | "
+                         f"{short['mxu_flops'] / 1e9:.1f} | {short['mxu_pass_flops'] / 1e9:.1f} | "
+                         f"{long['max_vmem_bytes'] / 2**20:.1f} MiB ({growth}) |")
+    seg = results["rows"][0]["pallas_segment"]["exact"]["train"]
+    lines += ["", "Segment-native against the RFC's cu_seqlens layout (forward+backward FLOPs / kernel bytes it saves):",
+              "", "| max_segs | T_new/T | `pallas_varlen` GFLOP | `pallas_varlen` kernel GB | "
+              "what `pallas_segment` saves (FLOPs / bytes) |", "|---:|---:|---:|---:|---:|"]
+    for row in results["rows"]:
+        v = row["pallas_varlen"]["exact"]["train"]
+        lines.append(f"| {row['max_segs']} | {row['t_new'] / T:.2f} | {v['mxu_flops'] / 1e9:.1f} | "
+                     f"{v['hbm_bytes'] / 1e9:.2f} | {1 - seg['mxu_flops'] / v['mxu_flops']:.0%} / "
+                     f"{1 - seg['hbm_bytes'] / v['hbm_bytes']:.0%} |")
+    lines.append(f"| `pallas_segment`, any count | 1.00 | {seg['mxu_flops'] / 1e9:.1f} | {seg['hbm_bytes'] / 1e9:.2f} | |")
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(results) -> None:
+    """results.md (the full report) and readme.md (the README's tables, checked by experiments/check_results.py)."""
+    (OUT / "results.md").write_text(markdown(results))
+    (OUT / "readme.md").write_text(readme_markdown(results))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time", action="store_true", help="also time CPU interpret mode at a small shape")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA cost-analysis cross-check")
     parser.add_argument("--src", help="trace this checkout's src instead (budget rows only)")
     parser.add_argument("--label", default="after", help="name of the tree in the budget table")
-    parser.add_argument("--report", action="store_true", help="only rewrite results.md from results.json")
+    parser.add_argument("--report", action="store_true", help="only rewrite results.md and readme.md from results.json")
     args = parser.parse_args()
     if args.report:
-        (OUT / "results.md").write_text(markdown(json.loads((OUT / "results.json").read_text())))
+        write_reports(json.loads((OUT / "results.json").read_text()))
         return
     budget = budget_rows(args.label)
     (OUT / f"budget_{args.label}.json").write_text(json.dumps(budget, indent=1))
@@ -346,7 +378,7 @@ def main():
     before = OUT / "budget_before.json"
     results["budget"] = (json.loads(before.read_text()) if before.exists() else []) + budget
     (OUT / "results.json").write_text(json.dumps(results, indent=1))
-    (OUT / "results.md").write_text(markdown(results))
+    write_reports(results)
     print(markdown(results))
 
 

@@ -1,9 +1,10 @@
 """Shared inputs and oracles for every KDA implementation's tests."""
-import ast
 import importlib.util
 from pathlib import Path
 
 import numpy as np
+
+from lingpack.parity.fla import fla_gate_functions  # noqa: F401  (the gate oracle, shared with the parity reference)
 
 
 def xla_impls():
@@ -24,23 +25,6 @@ def fla_naive_module():
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module
-
-
-def fla_gate_functions() -> dict:
-    """FLA's torch reference gates `naive_kda_gate`, `naive_kda_lowerbound_gate` (fla/ops/kda/gate.py).
-
-    That file imports triton at the top, so only these two functions' source is taken (by `ast`) and run
-    with torch and torch.nn.functional, the only names they use."""
-    import torch
-    spec = importlib.util.find_spec("fla")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "gate.py"
-    tree = ast.parse(path.read_text())
-    wanted = {"naive_kda_gate", "naive_kda_lowerbound_gate"}
-    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted]
-    assert {f.name for f in functions} == wanted, f"{path} no longer defines {wanted}"
-    namespace = {"torch": torch, "F": torch.nn.functional}
-    exec(compile(ast.Module(body=functions, type_ignores=[]), str(path), "exec"), namespace)
-    return {name: namespace[name] for name in wanted}
 
 
 def make_inputs(rng, B, T, H, K, V, dtype=np.float32, gate_scale=1.0):

@@ -9,10 +9,9 @@ import pytest
 
 from lingpack.models.moe import MoEConfig
 from lingpack.parity import routing as routing_lib
-from tests.parity.test_parity_harness import parity_config
+from tests.parity.test_parity_harness import KIMI, SMALL, parity_config
 
-SMALL = ["data.num_samples=40", "data.global_batch_size=4", "data.seq_length=96", "logger=none",
-         "train.progress_bar=false"]
+SMALL = SMALL + KIMI   # the model as KimiLinear expresses it (as recorded); the default Ling3: test_parity_harness.py
 
 
 def test_decision_margin_group_and_expert_gaps():
@@ -123,7 +122,7 @@ def test_routing_locked_fifty_step_parity(tmp_path):
     from lingpack.parity.harness import RoutingRecorder, run_parity
     from lingpack.train import loop
     rc = parity_config(tmp_path, ["train.steps=50", "data.num_samples=400", "logger=none",
-                                  "train.progress_bar=false", "parity.lock_routing=true"])
+                                  "train.progress_bar=false", "parity.lock_routing=true", *KIMI])
     recorder = RoutingRecorder(rc.data.seq_length)
     result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
                         routing_callback=recorder)

@@ -14,8 +14,9 @@ Port differences handled here (transformers `models/kimi_linear/modeling_kimi_li
 * experts: fused `gate_up_proj [E, 2I, D]` (gate rows first) and `down_proj [E, D, I]` vs
   `wi_gate, wi_up [E, D, I]`, `wo [E, I, D]`; router `gate.weight [E, D]` vs `router [D, E]`;
   `e_score_correction_bias` <-> `expert_bias`.
-* linear weights are `[out, in]` there, kernels `[in, out]` here. MTP layers have no counterpart:
-  `to_hf_state_dict` skips them, `load_hf_state_dict` leaves them untouched.
+* linear weights are `[out, in]` there, kernels `[in, out]` here. MTP layers have no counterpart in
+  KimiLinear: `to_hf_state_dict(mtp=True)` names them for the parity reference (`parity/reference_model.py`),
+  `load_hf_state_dict` leaves them untouched.
 * scanned layers (`Ling3Config.scan_layers`) hold layer i as one slice of stacked weights:
   `Ling3.layer_location(i)` gives the module and the slice, so the table is the same.
 """
@@ -103,9 +104,10 @@ def ling3_config_from_kimi(hf_cfg, **overrides) -> Ling3Config:
 T = lambda a: np.swapaxes(a, -1, -2)  # [in, out] <-> [out, in]
 
 
-def _pairs(model: Ling3):
+def _pairs(model: Ling3, mtp: bool = False):
     """(lingpack (path, stack index) list, hf name, to_hf(list of arrays) -> array) for every tensor;
-    fused tensors list several paths. A path starts at the model or, for a layer, at its module."""
+    fused tensors list several paths. A path starts at the model or, for a layer, at its module.
+    `mtp`: also the MTP layers, as `mtp.{d}.enorm / hnorm / eh_proj / block.*` (parity/reference_model.py)."""
     cfg = model.cfg
     top = lambda *path: (model, path, ())
     yield [top("embed_tokens", "embedding")], "model.embed_tokens.weight", lambda a: a
@@ -114,45 +116,54 @@ def _pairs(model: Ling3):
         yield [top("lm_head")], "lm_head.weight", T
     for i, (mixer, ffn) in enumerate(cfg.layer_kinds()):
         layer, index = model.layer_location(i)
-        hf = f"model.layers.{i}."
-        ours = lambda *path: (layer, path, index)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            yield [ours(norm, "weight")], hf + norm + ".weight", lambda a: a
-        attn = lambda *path: ours("self_attn", *path)
-        hf_attn = hf + "self_attn."
-        if mixer == "kda":
-            for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj"):
-                yield [attn(name, "kernel")], hf_attn + name + ".weight", T
-            for name in ("f_a_proj", "f_b_proj"):
-                yield [attn(name, "kernel")], hf_attn + "forget_gate." + name + ".weight", T
-            yield [attn("o_norm", "weight")], hf_attn + "o_norm.weight", lambda a: a
-            yield [attn("A_log")], hf_attn + "forget_gate.A_log", lambda a: a.reshape(1, 1, -1, 1)
-            yield [attn("dt_bias")], hf_attn + "forget_gate.dt_bias", lambda a: a
-            convs = [attn(c, "kernel") for c in ("q_conv", "k_conv", "v_conv")]
-            yield convs, hf_attn + "conv1d.weight", lambda q, k, v: np.concatenate([q, k, v], axis=1).T[:, None, :]
-        else:
-            names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] + (
-                ["q_a_proj", "q_b_proj"] if cfg.mla.q_lora_rank else ["q_proj"])
-            for name in names:
-                yield [attn(name, "kernel")], hf_attn + name + ".weight", T
-            norms = ["kv_a_layernorm"] + (["q_a_layernorm"] if cfg.mla.q_lora_rank else [])
-            for name in norms:
-                yield [attn(name, "weight")], hf_attn + name + ".weight", lambda a: a
-        mlp = lambda *path: ours("mlp", *path)
-        hf_mlp = hf + "mlp."
-        dense_names = ("gate_proj", "up_proj", "down_proj")
-        if ffn == "dense":
-            for name in dense_names:
-                yield [mlp(name, "kernel")], hf_mlp + name + ".weight", T
-            continue
-        yield [mlp("router")], hf_mlp + "gate.weight", T
-        yield [mlp("expert_bias")], hf_mlp + "gate.e_score_correction_bias", lambda a: a
-        yield [mlp("wi_gate"), mlp("wi_up")], hf_mlp + "experts.gate_up_proj", \
-            lambda g, u: np.concatenate([T(g), T(u)], axis=1)
-        yield [mlp("wo")], hf_mlp + "experts.down_proj", T
-        if cfg.moe.num_shared_experts:
-            for name in dense_names:
-                yield [mlp("shared_experts", name, "kernel")], hf_mlp + "shared_experts." + name + ".weight", T
+        yield from _layer_pairs(cfg, layer, index, mixer, ffn, f"model.layers.{i}.")
+    for d, mtp_layer in enumerate(model.mtp_layers if mtp else []):
+        for norm in ("enorm", "hnorm"):
+            yield [(mtp_layer, (norm, "weight"), ())], f"mtp.{d}.{norm}.weight", lambda a: a
+        yield [(mtp_layer, ("eh_proj", "kernel"), ())], f"mtp.{d}.eh_proj.weight", T
+        yield from _layer_pairs(cfg, mtp_layer.block, (), "mla", mtp_layer.block.ffn, f"mtp.{d}.block.")
+
+
+def _layer_pairs(cfg: Ling3Config, layer, index, mixer: str, ffn: str, hf: str):
+    """`_pairs` for one decoder layer (`layer` at stack `index`) under the transformers prefix `hf`."""
+    ours = lambda *path: (layer, path, index)
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        yield [ours(norm, "weight")], hf + norm + ".weight", lambda a: a
+    attn = lambda *path: ours("self_attn", *path)
+    hf_attn = hf + "self_attn."
+    if mixer == "kda":
+        for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj"):
+            yield [attn(name, "kernel")], hf_attn + name + ".weight", T
+        for name in ("f_a_proj", "f_b_proj"):
+            yield [attn(name, "kernel")], hf_attn + "forget_gate." + name + ".weight", T
+        yield [attn("o_norm", "weight")], hf_attn + "o_norm.weight", lambda a: a
+        yield [attn("A_log")], hf_attn + "forget_gate.A_log", lambda a: a.reshape(1, 1, -1, 1)
+        yield [attn("dt_bias")], hf_attn + "forget_gate.dt_bias", lambda a: a
+        convs = [attn(c, "kernel") for c in ("q_conv", "k_conv", "v_conv")]
+        yield convs, hf_attn + "conv1d.weight", lambda q, k, v: np.concatenate([q, k, v], axis=1).T[:, None, :]
+    else:
+        names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] + (
+            ["q_a_proj", "q_b_proj"] if cfg.mla.q_lora_rank else ["q_proj"])
+        for name in names:
+            yield [attn(name, "kernel")], hf_attn + name + ".weight", T
+        norms = ["kv_a_layernorm"] + (["q_a_layernorm"] if cfg.mla.q_lora_rank else [])
+        for name in norms:
+            yield [attn(name, "weight")], hf_attn + name + ".weight", lambda a: a
+    mlp = lambda *path: ours("mlp", *path)
+    hf_mlp = hf + "mlp."
+    dense_names = ("gate_proj", "up_proj", "down_proj")
+    if ffn == "dense":
+        for name in dense_names:
+            yield [mlp(name, "kernel")], hf_mlp + name + ".weight", T
+        return
+    yield [mlp("router")], hf_mlp + "gate.weight", T
+    yield [mlp("expert_bias")], hf_mlp + "gate.e_score_correction_bias", lambda a: a
+    yield [mlp("wi_gate"), mlp("wi_up")], hf_mlp + "experts.gate_up_proj", \
+        lambda g, u: np.concatenate([T(g), T(u)], axis=1)
+    yield [mlp("wo")], hf_mlp + "experts.down_proj", T
+    if cfg.moe.num_shared_experts:
+        for name in dense_names:
+            yield [mlp("shared_experts", name, "kernel")], hf_mlp + "shared_experts." + name + ".weight", T
 
 
 def _variable(where):
@@ -163,10 +174,10 @@ def _variable(where):
     return node, index
 
 
-def to_hf_state_dict(model: Ling3) -> dict[str, np.ndarray]:
-    """fp32 numpy tensors keyed by transformers' parameter names (MTP layers are skipped)."""
+def to_hf_state_dict(model: Ling3, mtp: bool = False) -> dict[str, np.ndarray]:
+    """fp32 numpy tensors keyed by transformers' parameter names (MTP layers only with `mtp`, under `mtp.{d}.`)."""
     out = {}
-    for paths, name, fn in _pairs(model):
+    for paths, name, fn in _pairs(model, mtp):
         arrays = [np.asarray(var[...][index], np.float32) for var, index in map(_variable, paths)]
         out[name] = np.ascontiguousarray(fn(*arrays))
     return out
@@ -245,23 +256,25 @@ def _rope_order(cfg: MLAConfig) -> np.ndarray:
     return np.concatenate([first, second])
 
 
-def mla_to_deepseek_v3(mla) -> dict[str, np.ndarray]:
-    """fp32 numpy state dict of a DeepseekV3Attention (its own parameter names) computing lingpack's `mla`.
+def mla_to_deepseek_v3(mla, index: tuple = ()) -> dict[str, np.ndarray]:
+    """fp32 numpy state dict of a DeepseekV3Attention (its own parameter names) computing lingpack's `mla`
+    (`index`: the layer's slice of a scanned stack, `Ling3.layer_location`).
 
     Linear kernels `[in, out]` become weights `[out, in]`; the rope rows of q (per head) and of the shared
     key are put in DeepSeek-V3's order (`_rope_order`), which permutes q and k alike: scores are unchanged."""
     cfg = mla.cfg
     H, nope, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    value = lambda module: np.asarray(module.kernel[...], np.float32)
+    value = lambda module: np.asarray(module.kernel[...][index], np.float32)
+    norm = lambda module: np.asarray(module.weight[...][index], np.float32)
     order = _rope_order(cfg)
     q_rows = np.concatenate([h * cfg.qk_head_dim + np.concatenate([np.arange(nope), nope + order]) for h in range(H)])
     kv_a_rows = np.concatenate([np.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + order])
     sd = {"kv_a_proj_with_mqa.weight": T(value(mla.kv_a_proj_with_mqa))[kv_a_rows],
-          "kv_a_layernorm.weight": np.asarray(mla.kv_a_layernorm.weight[...], np.float32),
+          "kv_a_layernorm.weight": norm(mla.kv_a_layernorm),
           "kv_b_proj.weight": T(value(mla.kv_b_proj)), "o_proj.weight": T(value(mla.o_proj))}
     if cfg.q_lora_rank:
         sd.update({"q_a_proj.weight": T(value(mla.q_a_proj)), "q_b_proj.weight": T(value(mla.q_b_proj))[q_rows],
-                   "q_a_layernorm.weight": np.asarray(mla.q_a_layernorm.weight[...], np.float32)})
+                   "q_a_layernorm.weight": norm(mla.q_a_layernorm)})
     else:
         sd["q_proj.weight"] = T(value(mla.q_proj))[q_rows]
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}

@@ -29,20 +29,10 @@ from pathlib import Path
 
 
 def reference_model(model_cfg, jax_model):
-    """transformers' KimiLinearForCausalLM (fp32, CPU) holding exactly `jax_model`'s weights."""
-    import torch
-    from transformers import KimiLinearForCausalLM
-
-    from lingpack.parity.convert import kimi_config_from_ling3, to_hf_state_dict
-    if model_cfg.mtp_num_layers:
-        raise ValueError("transformers' KimiLinear has no MTP head: set model.mtp_num_layers=0 for loss parity")
-    hf_model = KimiLinearForCausalLM(kimi_config_from_ling3(model_cfg)).float()
-    state = {k: torch.from_numpy(v.copy()) for k, v in to_hf_state_dict(jax_model).items()}
-    missing, unexpected = hf_model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("e_score_correction_bias")]  # buffers start at 0 on both sides
-    if missing or unexpected:
-        raise ValueError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return hf_model.train()
+    """The PyTorch Ling3 (parity/reference_model.py: transformers' KimiLinear, FLA's gate, DeepseekV3Attention,
+    MTP glue; fp32, CPU) holding exactly `jax_model`'s weights."""
+    from lingpack.parity import reference_model as reference_lib
+    return reference_lib.build(model_cfg, jax_model)
 
 
 def has_moe(model_cfg) -> bool:

@@ -2,9 +2,14 @@
 
 * samples: megatron-core's own `GPTDataset` (BlendedMegatronDatasetBuilder) on the same `.bin/.idx`
   files, seed and split as lingpack's pipeline; global batch k = samples [k*G, (k+1)*G);
+* model: `parity/reference_model.py`'s `Ling3Reference` (transformers' KimiLinear with FLA's lower-bound
+  gate, transformers' DeepseekV3Attention for RoPE MLA, the MTP layer glue), from lingpack's weights;
 * packing: Megatron's varlen meaning (`cu_seqlens` from EOD: a document ends after its EOD, and every
-  sample ends one) realised literally: transformers' `KimiLinearForCausalLM` runs each document alone,
-  in its own batch row from position 0 (right padding is invisible to a causal model);
+  sample ends one) realised literally: each document runs alone in its own batch row, with the sample's
+  `position_ids` (right padding is invisible to a causal model);
+* MTP: megatron-core's `roll_tensor` rolls the group's ids, labels and loss mask per depth on the packed
+  THD layout (`cu_seqlens` per document), as its GPTModel does; each depth's loss is its masked sum over
+  the rolled mask's count, times `mtp_loss_scale / depths`, reduced like the lm loss;
 * ranks: each micro-batch's rows split into `loss.megatron_dp_size` contiguous groups, one per Megatron
   data-parallel rank (its sampler's [micro-batch, rank, row] order); each group runs as its own forward;
 * loss: Megatron's `loss_func` (sum(loss * mask), sum(mask)) per (micro-batch, rank), the backward
@@ -65,26 +70,31 @@ def documents(tokens: np.ndarray, eod_id: int, reset_attention_mask: bool) -> li
 
 
 class MegatronReferenceTrainer:
-    """Trains a transformers KimiLinearForCausalLM exactly as Megatron-LM would on packed samples."""
+    """Trains the reference Ling3 (reference_model.Ling3Reference) exactly as Megatron-LM would on packed samples."""
 
     def __init__(self, hf_model, data_cfg, optim_cfg, loss_cfg, *, micro_batches: int, num_samples: int,
                  moe_z_loss_weight: float = 0.0, expert_bias_rate: float = 0.0, cache_dir: str | None = None,
-                 eval_samples: dict | None = None):
-        """`eval_samples`: {"valid": n, "test": m}, the sizes the evaluation splits are built with (none: no
-        evaluation; megatron-core then builds them one epoch long, unused)."""
+                 eval_samples: dict | None = None, dataset=None):
+        """`hf_model`: a `reference_model.Ling3Reference`. `eval_samples`: {"valid": n, "test": m}, the sizes the
+        evaluation splits are built with (none: no evaluation; megatron-core then builds them one epoch long,
+        unused). `dataset`: training samples in GPTDataset's format (dicts of tokens, labels, loss_mask,
+        position_ids tensors) instead of megatron-core's GPTDataset (tests; no evaluation splits)."""
         import torch
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from lingpack.train.optim import applies_weight_decay
         self.torch = torch
         self.model, self.data_cfg, self.optim_cfg, self.loss_cfg = hf_model, data_cfg, optim_cfg, loss_cfg
         self.micro_batches, self.moe_z_weight, self.bias_rate = micro_batches, moe_z_loss_weight, expert_bias_rate
-        eval_samples = eval_samples or {}
-        self.dataset, *evaluation = megatron_datasets(
-            data_cfg, [num_samples, eval_samples.get("valid"), eval_samples.get("test")], cache_dir)
-        self.eval_datasets = dict(zip(("valid", "test"), evaluation))
+        self.dataset, self.eval_datasets = dataset, {}
+        if dataset is None:
+            eval_samples = eval_samples or {}
+            self.dataset, *evaluation = megatron_datasets(
+                data_cfg, [num_samples, eval_samples.get("valid"), eval_samples.get("test")], cache_dir)
+            self.eval_datasets = dict(zip(("valid", "test"), evaluation))
         decay, no_decay = [], []
-        for name, param in hf_model.named_parameters():  # Megatron/Ling3: no decay on norms, biases, A_log, dt_bias
-            plain = param.ndim < 2 or name.endswith(("bias", "A_log", "dt_bias"))
-            (no_decay if plain else decay).append(param)
+        for name, param in hf_model.named_parameters():
+            (decay if applies_weight_decay(name, param.ndim) else no_decay).append(param)
         self.optimizer = torch.optim.AdamW(
             [{"params": decay}, {"params": no_decay, "wd_mult": 0.0}],
             lr=optim_cfg.lr, betas=(optim_cfg.b1, optim_cfg.b2), eps=optim_cfg.eps)
@@ -123,7 +133,8 @@ class MegatronReferenceTrainer:
         cannot change its logits, and padded positions are masked out of the loss and the router statistics.
         `locked_ids` [L, R, T, k] (lingpack's choice for these R rows) replaces the routers' own. `z_weight`
         replaces the router z-loss weight (evaluation reports it unweighted).
-        Returns (loss sum, loss count, real tokens, per-router z-loss, per-router loads, routing [L, R, T, .]).
+        Returns (loss sum, loss count, real tokens, per-router z-loss, per-router loads, routing [L, R, T, .],
+        per MTP depth (masked loss sum, rolled mask count)).
         """
         torch = self.torch
         spans = [(r, a, b) for r, s in enumerate(samples)
@@ -137,18 +148,24 @@ class MegatronReferenceTrainer:
         tokens = torch.stack([pad(samples[r]["tokens"][a:b]) for r, a, b in spans])
         labels = torch.stack([pad(samples[r]["labels"][a:b]) for r, a, b in spans])
         mask = torch.stack([pad(samples[r]["loss_mask"][a:b].float()) for r, a, b in spans])  # 0 on padding
+        positions = torch.stack([pad(samples[r]["position_ids"][a:b]) for r, a, b in spans])
         padding = torch.ones(len(spans) * length, dtype=torch.bool)
         padding[index] = False
+        rows = lambda flat: torch.zeros(len(spans) * length, dtype=flat.dtype).index_put((index,), flat).reshape(
+            len(spans), length)                                          # packed [R*T] -> one document per row
+        mtp = _mtp_rolls(samples, spans, len(self.model.mtp))
         self._captured.clear()
         locked = None if locked_ids is None else [torch.as_tensor(ids).reshape(-1, ids.shape[-1]).long()
                                                   for ids in locked_ids]      # per router [R*T, k]
         self._lock = None if locked is None else (index, locked)
         try:
-            logits = self.model(input_ids=tokens).logits.float()         # fp32 logits
+            logits, mtp_logits = self.model(tokens, positions, [(rows(ids), rows(keep)) for ids, _, _, keep in mtp])
         finally:
             self._lock = None
-        xent = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                 reduction="none").reshape(labels.shape)
+        xent = lambda logits, labels: torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").reshape(labels.shape)
+        mtp_terms = [(torch.sum(xent(d_logits, rows(d_labels)) * rows(d_mask)), d_mask.sum())
+                     for d_logits, (_, d_labels, d_mask, _) in zip(mtp_logits, mtp, strict=True)]
         from megatron.core.transformer.moe.moe_utils import z_loss_func
         z, loads, routing = [], [], {k: [] for k in ("expert_ids", "router_logits")}
         for n, (router_logits, own_ids) in enumerate(self._captured):
@@ -159,7 +176,8 @@ class MegatronReferenceTrainer:
             loads.append(torch.bincount(used.reshape(-1), minlength=self.routers[n].num_experts))
             routing["expert_ids"].append(own.reshape(len(samples), T, -1).numpy())
             routing["router_logits"].append(router_logits[index].detach().reshape(len(samples), T, -1).numpy())
-        return torch.sum(xent * mask), torch.sum(mask), int((~padding).sum()), z, loads, routing
+        lm_sum = torch.sum(xent(logits, labels) * mask)
+        return lm_sum, torch.sum(mask), int((~padding).sum()), z, loads, routing, mtp_terms
 
     def step(self, step: int, locked: dict | None = None) -> tuple[dict, dict]:
         """One optimizer step on global batch `step` -> (Megatron's reported metrics, this side's routing or None).
@@ -177,7 +195,8 @@ class MegatronReferenceTrainer:
             chunk = slice(u * per_group, (u + 1) * per_group)
             results.append(self._group(rows[chunk], None if locked is None else locked["expert_ids"][:, chunk]))
         lm_total = sum(r[1] for r in results)
-        objective = megatron_objective([r[:4] for r in results], self.loss_cfg, M * G, with_z=bool(self.moe_z_weight))
+        objective = megatron_objective([r[:4] + (r[6],) for r in results], self.loss_cfg, M * G,
+                                       with_z=bool(self.moe_z_weight))
         objective.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = float(torch.sqrt(sum(torch.sum(p.grad.double() ** 2) for p in params)))
@@ -198,8 +217,10 @@ class MegatronReferenceTrainer:
             routing = {k: np.concatenate([np.stack(r[5][k]) for r in results], axis=1)
                        for k in ("expert_ids", "router_logits")}
             routing["expert_bias"] = bias
-        return ({"step": step, "lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr,
-                 "loss_tokens": float(lm_total)}, routing)
+        record = {"step": step, "lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr, "loss_tokens": float(lm_total)}
+        if self.model.mtp:  # Megatron's MTP tracker: per-(micro-batch, rank) token means, averaged, then over depths
+            record["mtp_loss"] = float(np.mean([[float(s.detach()) / max(float(c), 1.0) for s, c in r[6]] for r in results]))
+        return record, routing
 
     def evaluate(self, split: str, index: int, eval_batches: int) -> dict:
         """Megatron's `evaluate` with the current weights: evaluation `index` of `split`, no gradient.
@@ -208,7 +229,7 @@ class MegatronReferenceTrainer:
         never-rewound valid iterator; `eval_sample_range`), runs them in training's (micro-batch, rank) groups
         and sums every loss sum and token count over groups and batches before dividing. Returns
         `train/evaluate.py`'s metrics (val_* or test_*): lm loss, PPL, tokens and the unweighted router z-loss
-        (mean over MoE layers, token-weighted); this model has no MTP head.
+        (mean over MoE layers, token-weighted) and, with an MTP head, the MTP loss (mean over depths).
         """
         torch = self.torch
         from lingpack.train.evaluate import eval_metrics
@@ -221,18 +242,20 @@ class MegatronReferenceTrainer:
         per_group = B // groups
         totals = np.zeros(3)                     # lm loss sum, loss tokens, real tokens
         z_sum = np.zeros(len(self.routers))      # per MoE layer: sum of logsumexp^2 over real tokens
+        mtp = np.zeros((2, len(self.model.mtp)))  # per MTP depth: masked loss sum, rolled mask count
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
                 for start in samples[::per_group]:  # Megatron's order: batch, micro-batch, rank
-                    loss_sum, count, real, z, _, _ = self._group(
+                    loss_sum, count, real, z, _, _, mtp_terms = self._group(
                         [dataset[i] for i in range(start, start + per_group)], z_weight=1.0)
                     totals += [float(loss_sum), float(count), real]
+                    mtp += np.array([[float(v), float(c)] for v, c in mtp_terms]).reshape(-1, 2).T
                     z_sum += np.array([float(v) * real for v in z])  # z_loss_func's mean over real tokens -> sum
         finally:
             self.model.train(was_training)
-        stats = {"lm_sum": totals[0], "lm_tokens": totals[1], "mtp_sum": np.zeros(0), "mtp_tokens": np.zeros(0),
+        stats = {"lm_sum": totals[0], "lm_tokens": totals[1], "mtp_sum": mtp[0], "mtp_tokens": mtp[1],
                  "moe_z_sum": z_sum, "moe_z_tokens": np.full(len(z_sum), totals[2])}
         return eval_metrics(stats, "val" if split == "valid" else split)
 
@@ -253,25 +276,58 @@ def eval_sample_range(index: int, eval_batches: int, global_batch_size: int) -> 
     return range(index * eval_batches * global_batch_size, (index + 1) * eval_batches * global_batch_size)
 
 
+def _mtp_rolls(samples: list[dict], spans: list[tuple[int, int, int]], depths: int) -> list[tuple]:
+    """Per MTP depth (ids, labels, loss mask, keep), each packed [R*T]: megatron-core's `roll_tensor` applied
+    once more per depth to the group's THD-flattened samples, one sequence per document (`spans`); `keep`
+    is a rolled vector of ones (0 where the roll left the document)."""
+    if not depths:
+        return []
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+    T = len(samples[0]["tokens"])
+    cu = torch.tensor([r * T + a for r, a, _ in spans] + [len(samples) * T], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    flat = lambda key: torch.cat([s[key] for s in samples])[None]
+    rolled = (flat("tokens"), flat("labels"), flat("loss_mask").float(), torch.ones(1, len(samples) * T))
+    out = []
+    for _ in range(depths):
+        rolled = tuple(roll_tensor(x, shifts=-1, dims=-1, packed_seq_params=params)[0] for x in rolled)
+        out.append(tuple(x[0] for x in rolled))
+    return out
+
+
 def megatron_objective(groups: list, loss_cfg, num_groups: int, *, with_z: bool = True):
-    """The step objective from per-(micro-batch, rank) results (loss sum, loss count, real tokens, z-losses).
+    """The step objective from per-(micro-batch, rank) results (loss sum, loss count, real tokens, z-losses
+    [, MTP terms: per depth (masked loss sum, rolled mask count)]).
 
     Each z-loss is megatron-core's `z_loss_func` value (weight x mean over the group's real tokens), one
     per MoE layer. Megatron default: lm token means and z-losses summed over groups / num_groups (the
     AutoScaler's 1/num_micro_batches, then the data-parallel average); calculate_per_token_loss: sums over
     the step's loss tokens (the AutoScaler gets z * num_tokens, finalize_model_grads divides by the total);
-    lingpack's per_token mode: lm over loss tokens, z over real tokens (train/loss.py).
+    lingpack's per_token mode: lm over loss tokens, z over real tokens (train/loss.py). MTP (Megatron's
+    GPTModel, MTPLossAutoScaler): `mtp_loss_scale / depths` times each depth's sum over its count, reduced
+    like the lm term; calculate_per_token_loss: the sums over the step's lm tokens; per_token: over the
+    depth's own step count.
     """
     import torch
     lm_total = sum(g[1] for g in groups)
     real_total = sum(g[2] for g in groups)
+    mtp_totals = [sum(g[4][d][1] for g in groups) for d in range(len(groups[0][4]))] if len(groups[0]) > 4 else []
     per_token = loss_cfg.mode == "per_token" or loss_cfg.calculate_per_token_loss
     objective = torch.zeros(())
-    for loss_sum, count, real, z in groups:
+    for loss_sum, count, real, z, *mtp in groups:
+        mtp = mtp[0] if mtp else []
+        mtp_weight = loss_cfg.mtp_loss_scale / max(len(mtp), 1)
         if per_token:
             objective = objective + loss_sum / torch.clamp(lm_total, min=1.0)
+            for (mtp_sum, _), mtp_total in zip(mtp, mtp_totals):
+                den = mtp_total if loss_cfg.mode == "per_token" else lm_total
+                objective = objective + mtp_weight * mtp_sum / torch.clamp(torch.as_tensor(den), min=1.0)
         else:  # Megatron default: each (micro-batch, rank) token mean; grads / num_micro_batches, DP-averaged
             objective = objective + loss_sum / torch.clamp(count, min=1.0) / num_groups
+            for mtp_sum, mtp_count in mtp:
+                objective = objective + mtp_weight * mtp_sum / torch.clamp(torch.as_tensor(mtp_count), min=1.0) / num_groups
         if with_z and z:
             z_mean = sum(z)
             if loss_cfg.mode == "per_token":      # lingpack's global per-token mean over real tokens

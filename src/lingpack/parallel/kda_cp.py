@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from lingpack.kernels.kda.api import chunk_kda
 from lingpack.parallel import reorder
-from lingpack.parallel.context import _axes_that_divide as axes_that_divide
+from lingpack.parallel.context import dividing_axes
 
 HIGHEST = jax.lax.Precision.HIGHEST  # the fold chains N state products: keep them fp32-exact on TPU too
 ARRAY_KWARGS = ("A_log", "dt_bias")  # kernel keyword arguments that are arrays (replicated parameters)
@@ -114,7 +114,7 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, segment_ids, mesh, axis_name
     n = mesh.shape[axis_name]
     reorder.check_length(q.shape[1], n, load_balance)
     arrays = {name: kernel_kwargs.pop(name) for name in ARRAY_KWARGS if kernel_kwargs.get(name) is not None}
-    batch, heads = axes_that_divide(mesh, batch_axes, q.shape[0]), axes_that_divide(mesh, head_axes, q.shape[2])
+    batch, heads = dividing_axes(mesh, batch_axes, q.shape[0]), dividing_axes(mesh, head_axes, q.shape[2])
     tok = P(batch, axis_name)
     # A_log [H] and dt_bias [H*K] (head-major) split with the heads
     specs = (P(*tok, heads, None),) * 4 + (P(*tok, heads), tok, P(batch, heads), {name: P(heads) for name in arrays})

@@ -1,6 +1,6 @@
 """The whole ling3_tiny train step under context parallelism: per-device memory vs T, and collectives.
 
-    python experiments/context_parallel/model_memory.py [--T 4096 16384 65536] [--cp 1 2 4 8] [--timeout 1200]
+    python experiments/context_parallel/model_memory.py [--T 4096 16384 65536] [--cp 1 2 4 8] [--jobs 3]
     python experiments/context_parallel/model_memory.py --table-only     # re-render md + png from the json
 
 Part 1 (memory). One train step of ling3_tiny (forward, backward, clip, AdamW; B=1; fp32; KDA `chunked`, MLA
@@ -28,11 +28,13 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import concurrent.futures  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -53,11 +55,21 @@ def _shape_bytes(shape: str) -> int:
                for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
 
 
+def _group_size(line: str) -> int | None:
+    """Devices per replica group of a collective (None: not stated, e.g. collective-permute)."""
+    listed = re.search(r"replica_groups=\{\{([^}]*)\}", line)
+    if listed:
+        return len(listed.group(1).split(","))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    return int(iota.group(2)) if iota else None
+
+
 def collectives(hlo: str) -> dict:
     """{kind: {"count": executed ops, "bytes": their result bytes}} of a compiled module's HLO text.
 
     A computation's ops run once per call; a `while` body runs its known trip count times (unknown: once,
-    and `unknown_trip_counts` says how many loops that was)."""
+    and `unknown_trip_counts` says how many loops that was). Collectives whose replica groups are single
+    devices move nothing and are only counted (`trivial`)."""
     comps, name, entry = {}, None, None
     for line in hlo.splitlines():
         head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
@@ -68,7 +80,7 @@ def collectives(hlo: str) -> dict:
         elif name is not None and line.strip() and line.strip() != "}":
             comps[name].append(line)
     totals = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
-    unknown = [0]
+    unknown, trivial = [0], [0]
 
     def visit(comp: str, times: int) -> None:
         for line in comps.get(comp, []):
@@ -76,7 +88,9 @@ def collectives(hlo: str) -> dict:
             if op:
                 shape, opcode = op.groups()
                 kind = opcode[:-5] if opcode.endswith("-done") else opcode
-                if kind in KINDS:
+                if kind in KINDS and _group_size(line) == 1:
+                    trivial[0] += times   # over size-1 mesh axes (e.g. a cotangent's psum over `data`=1): no traffic
+                elif kind in KINDS:
                     totals[kind]["count"] += times
                     totals[kind]["bytes"] += times * _shape_bytes(shape)
                 if opcode == "while":
@@ -91,7 +105,8 @@ def collectives(hlo: str) -> dict:
                     visit(callee, times)  # a conditional's branches: counted as if each ran (an upper bound)
 
     visit(entry, 1)
-    return {"by_kind": {k: dict(totals[k]) for k in KINDS if k in totals}, "unknown_trip_counts": unknown[0]}
+    return {"by_kind": {k: dict(totals[k]) for k in KINDS if k in totals}, "unknown_trip_counts": unknown[0],
+            "trivial": trivial[0]}
 
 
 # ---------------------------------------------------------------- one configuration (runs in a subprocess)
@@ -228,18 +243,18 @@ def table(res: dict) -> str:
             if r:
                 lines.append(f"| {c} | {mib(r['argument'])} | {mib(r['output'])} | {mib(r['temp'])} | "
                              f"{mib(r['alias'])} | {mib(r['peak'])} |")
-    lines += ["", "Collectives executed per device (count / KiB of results; `while` bodies times their trip count).",
-              "", "| program | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
+    lines += ["", "Collectives executed per device (count / KiB of results; `while` bodies times their trip count; "
+              "trivial: over size-1 mesh axes, no traffic, not in the other columns).",
+              "", "| program | " + " | ".join(KINDS) + " | trivial |", "|---" * (len(KINDS) + 2) + "|"]
     rows = [(f"KDA layer fwd+bwd, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
             if k.startswith("layer/kda") and "collectives" in r]
     rows += [(f"MLA layer (ring) fwd+bwd, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
              if k.startswith("layer/mla") and "collectives" in r]
-    rows += [(f"train step, T={T // 1024}K, CP={c}", steps[(T, c)]) for T in Ts[-1:] for c in cps if c > 1
-             and (T, c) in steps]
+    rows += [(f"train step, T={T // 1024}K, CP={c}", r) for (T, c), r in sorted(steps.items()) if c > 1]
     for name, r in rows:
         by = r["collectives"]["by_kind"]
-        lines.append(f"| {name} | " + " | ".join(f"{by[k]['count']} / {by[k]['bytes'] / 1024:.0f}" if k in by else "0"
-                                                 for k in KINDS) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{by[k]['count']} / {by[k]['bytes'] / 1024:.1f}" if k in by else "0"
+                                                 for k in KINDS) + f" | {r['collectives']['trivial']} |")
     kda = res.get(f"layer/kda/{LAYER_T}/{LAYER_CP}")
     if kda:
         lines += ["", f"LASP-2 / FLA pattern per KDA layer: one all-gather of the per-block [H, K, K+V] fp32 summary "
@@ -287,6 +302,7 @@ def main() -> int:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per configuration's compile")
     parser.add_argument("--retry-timeouts", action="store_true", help="recompile configurations that timed out")
+    parser.add_argument("--jobs", type=int, default=1, help="configurations compiled at once (one process each)")
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -298,14 +314,20 @@ def main() -> int:
     res = json.loads(path.read_text()) if path.exists() else {}
     todo = [(f"layer/{k}/{LAYER_T}/{LAYER_CP}", [k, str(LAYER_T), str(LAYER_CP)]) for k in ("kda", "mla")]
     todo += [(f"step/{T}/{cp}", ["step", str(T), str(cp)]) for T in args.T for cp in args.cp]
-    for key, worker_args in [] if args.table_only else todo:
-        if key in res and ("timeout_s" not in res[key] or not args.retry_timeouts):
-            continue
+    todo = [(key, a) for key, a in todo if key not in res or ("timeout_s" in res[key] and args.retry_timeouts)]
+    lock = threading.Lock()
+
+    def one(item):
+        key, worker_args = item
         got = run_one(key, worker_args, args.timeout)
         if got is not None:
-            res[key] = got
-            write(res)
+            with lock:   # merge and rewrite the artifacts as each configuration arrives
+                res[key] = got
+                write(res)
             print(f"{key}: {json.dumps({k: v for k, v in got.items() if k != 'collectives'})}", flush=True)
+
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(one, [] if args.table_only else todo))
     write(res)
     print(table(res))
     return 0

@@ -251,6 +251,7 @@ def table(res: dict) -> str:
     rows += [(f"MLA layer (ring) fwd+bwd, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
              if k.startswith("layer/mla") and "collectives" in r]
     rows += [(f"train step, T={T // 1024}K, CP={c}", r) for (T, c), r in sorted(steps.items()) if c > 1]
+    rows = [(name, r) for name, r in rows if "trivial" in r["collectives"]]   # skip counts from before `trivial`
     for name, r in rows:
         by = r["collectives"]["by_kind"]
         lines.append(f"| {name} | " + " | ".join(f"{by[k]['count']} / {by[k]['bytes'] / 1024:.1f}" if k in by else "0"

@@ -152,6 +152,8 @@ def measure_step(T: int, cp: int) -> dict:
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+    if os.environ.get("MODEL_MEMORY_HLO_DIR"):   # keep the per-device program for inspection
+        Path(os.environ["MODEL_MEMORY_HLO_DIR"], f"step_{T}_{cp}.hlo").write_text(compiled.as_text())
     return dict(peak(compiled), T=T, cp=cp, compile_s=time.perf_counter() - start, state_bytes=int(state_bytes),
                 collectives=collectives(compiled.as_text()))
 

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/context_parallel/results"
 VOCAB = 384              # the bundled corpus' vocabulary, padded (what `python run.py` builds)
 LAYER_T, LAYER_CP = 16384, 8
+COUNTER = 2             # version of `collectives`; the table skips counts from older versions
 KINDS = ("all-gather", "collective-permute", "all-reduce", "reduce-scatter", "all-to-all")
 DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
 
@@ -84,6 +85,7 @@ def collectives(hlo: str) -> dict:
 
     def visit(comp: str, times: int) -> None:
         for line in comps.get(comp, []):
+            line = re.sub(r"/\*.*?\*/", "", line)   # tuple shapes carry /*index=5*/ comments
             op = re.search(r"=\s*(\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(", line)
             if op:
                 shape, opcode = op.groups()
@@ -106,7 +108,7 @@ def collectives(hlo: str) -> dict:
 
     visit(entry, 1)
     return {"by_kind": {k: dict(totals[k]) for k in KINDS if k in totals}, "unknown_trip_counts": unknown[0],
-            "trivial": trivial[0]}
+            "trivial": trivial[0], "counter": COUNTER}
 
 
 # ---------------------------------------------------------------- one configuration (runs in a subprocess)
@@ -253,7 +255,7 @@ def table(res: dict) -> str:
     rows += [(f"MLA layer (ring) fwd+bwd, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
              if k.startswith("layer/mla") and "collectives" in r]
     rows += [(f"train step, T={T // 1024}K, CP={c}", r) for (T, c), r in sorted(steps.items()) if c > 1]
-    rows = [(name, r) for name, r in rows if "trivial" in r["collectives"]]   # skip counts from before `trivial`
+    rows = [(name, r) for name, r in rows if r["collectives"].get("counter") == COUNTER]
     for name, r in rows:
         by = r["collectives"]["by_kind"]
         lines.append(f"| {name} | " + " | ".join(f"{by[k]['count']} / {by[k]['bytes'] / 1024:.1f}" if k in by else "0"

@@ -45,6 +45,10 @@ OUT = ROOT / "experiments/context_parallel/results"
 VOCAB = 384              # the bundled corpus' vocabulary, padded (what `python run.py` builds)
 LAYER_T, LAYER_CP = 16384, 8
 COUNTER = 2             # version of `collectives`; the table skips counts from older versions
+VARIANTS = {   # code changes measured against the main grid (which stays as it was measured)
+    "moe_local": "each device dispatches its own tokens to the experts (before: one global sort over the split "
+                 "token axis, which XLA runs on every token on every device).",
+}
 KINDS = ("all-gather", "collective-permute", "all-reduce", "reduce-scatter", "all-to-all")
 DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
 
@@ -127,6 +131,11 @@ def peak(compiled) -> dict:
     return dict(parts, peak=parts["argument"] + parts["output"] + parts["temp"] - parts["alias"])
 
 
+def _commit() -> str:
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "src") else "")
+
+
 def measure_step(T: int, cp: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -157,7 +166,7 @@ def measure_step(T: int, cp: int) -> dict:
     if os.environ.get("MODEL_MEMORY_HLO_DIR"):   # keep the per-device program for inspection
         Path(os.environ["MODEL_MEMORY_HLO_DIR"], f"step_{T}_{cp}.hlo").write_text(compiled.as_text())
     return dict(peak(compiled), T=T, cp=cp, compile_s=time.perf_counter() - start, state_bytes=int(state_bytes),
-                collectives=collectives(compiled.as_text()))
+                collectives=collectives(compiled.as_text()), commit=_commit())
 
 
 def measure_layer(kind: str, T: int, cp: int) -> dict:
@@ -220,8 +229,13 @@ def mib(b: float) -> str:
     return f"{b / 2**20:.1f}"
 
 
+def _steps(res: dict, variant: str = "") -> dict:
+    prefix = f"step@{variant}/" if variant else "step/"
+    return {(r["T"], r["cp"]): r for k, r in res.items() if k.startswith(prefix) and "peak" in r}
+
+
 def table(res: dict) -> str:
-    steps = {(r["T"], r["cp"]): r for k, r in res.items() if k.startswith("step/") and "peak" in r}
+    steps = _steps(res)
     Ts, cps = sorted({t for t, _ in steps}), sorted({c for _, c in steps})
     lines = ["Per-device peak of one ling3_tiny train step (MiB; B=1, fp32, 4 layers: 3 KDA + 1 MLA, AdamW), compiled "
              "for the row split over `context`=CP (zigzag; KDA state passing, ring MLA; CP=1: one device, flash MLA). "
@@ -247,6 +261,15 @@ def table(res: dict) -> str:
             if r:
                 lines.append(f"| {c} | {mib(r['argument'])} | {mib(r['output'])} | {mib(r['temp'])} | "
                              f"{mib(r['alias'])} | {mib(r['peak'])} |")
+    for variant in sorted({r["variant"] for r in res.values() if r.get("variant")}):
+        vsteps = _steps(res, variant)
+        lines += ["", f"Variant `{variant}` (commit {next(iter(vsteps.values()))['commit']}): {VARIANTS[variant]} "
+                  "In brackets: peak / CP=1 peak of this variant (of the table above where it has none).", "",
+                  "| T | CP | peak | ratio |", "|---|---|---|---|"]
+        for (T, c), r in sorted(vsteps.items()):
+            base = vsteps.get((T, 1)) or steps.get((T, 1))
+            lines.append(f"| {T // 1024}K | {c} | {mib(r['peak'])} | " + (f"{r['peak'] / base['peak']:.3f}" if base
+                                                                          else "-") + " |")
     lines += ["", "Collectives executed per device (count / KiB of results; `while` bodies times their trip count; "
               "trivial: over size-1 mesh axes, no traffic, not in the other columns).",
               "", "| program | " + " | ".join(KINDS) + " | trivial |", "|---" * (len(KINDS) + 2) + "|"]
@@ -255,6 +278,8 @@ def table(res: dict) -> str:
     rows += [(f"MLA layer (ring) fwd+bwd, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
              if k.startswith("layer/mla") and "collectives" in r]
     rows += [(f"train step, T={T // 1024}K, CP={c}", r) for (T, c), r in sorted(steps.items()) if c > 1]
+    rows += [(f"train step `{r['variant']}`, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
+             if r.get("variant") and r["cp"] > 1]
     rows = [(name, r) for name, r in rows if r["collectives"].get("counter") == COUNTER]
     for name, r in rows:
         by = r["collectives"]["by_kind"]
@@ -307,6 +332,8 @@ def main() -> int:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per configuration's compile")
     parser.add_argument("--retry-timeouts", action="store_true", help="recompile configurations that timed out")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), help="measure the current code as this variant "
+                        "(kept beside the main grid, which it does not replace)")
     parser.add_argument("--jobs", type=int, default=1, help="configurations compiled at once (one process each)")
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
@@ -318,13 +345,16 @@ def main() -> int:
     path = OUT / "model_memory.json"
     res = json.loads(path.read_text()) if path.exists() else {}
     todo = [(f"layer/{k}/{LAYER_T}/{LAYER_CP}", [k, str(LAYER_T), str(LAYER_CP)]) for k in ("kda", "mla")]
-    todo += [(f"step/{T}/{cp}", ["step", str(T), str(cp)]) for T in args.T for cp in args.cp]
+    step = f"step@{args.variant}" if args.variant else "step"
+    todo += [(f"{step}/{T}/{cp}", ["step", str(T), str(cp)]) for T in args.T for cp in args.cp]
     todo = [(key, a) for key, a in todo if key not in res or ("timeout_s" in res[key] and args.retry_timeouts)]
     lock = threading.Lock()
 
     def one(item):
         key, worker_args = item
         got = run_one(key, worker_args, args.timeout)
+        if got is not None and args.variant and key.startswith("step@"):
+            got["variant"] = args.variant
         if got is not None:
             with lock:   # merge and rewrite the artifacts as each configuration arrives
                 res[key] = got

@@ -147,6 +147,7 @@ def measure_step(T: int, cp: int) -> dict:
     from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig
     from lingpack.train.step import ModelDef, init_fn, make_train_step, state_shardings
 
+    commit = _commit()   # the code this worker imported
     cfg = model_config(T)
     parallel = ParallelConfig(data=1, context=cp, context_strategy="ring", load_balance=True)
     mesh = shard_lib.make_mesh(parallel, devices=jax.devices()[:cp])
@@ -166,7 +167,7 @@ def measure_step(T: int, cp: int) -> dict:
     if os.environ.get("MODEL_MEMORY_HLO_DIR"):   # keep the per-device program for inspection
         Path(os.environ["MODEL_MEMORY_HLO_DIR"], f"step_{T}_{cp}.hlo").write_text(compiled.as_text())
     return dict(peak(compiled), T=T, cp=cp, compile_s=time.perf_counter() - start, state_bytes=int(state_bytes),
-                collectives=collectives(compiled.as_text()), commit=_commit())
+                collectives=collectives(compiled.as_text()), commit=commit)
 
 
 def measure_layer(kind: str, T: int, cp: int) -> dict:

@@ -125,17 +125,17 @@ class MoE(nnx.Module):
     def experts(self, x_BTD: jax.Array, idx_BTK: jax.Array, weights_BTK: jax.Array) -> jax.Array:
         """Dropless dispatch of every token; under context parallelism each device dispatches its own tokens
         (a global sort over a split token axis would gather every token onto every device)."""
-        weights = (self.wi_gate[...], self.wi_up[...], self.wo[...])
-        local = lambda x, idx, w, *weights: self._dispatch(
+        experts_w = (self.wi_gate[...], self.wi_up[...], self.wo[...])
+        local = lambda x, idx, w, *experts_w: self._dispatch(
             x.reshape(-1, x.shape[-1]), idx.reshape(-1, idx.shape[-1]), w.reshape(-1, w.shape[-1]),
-            *weights).reshape(x.shape)
+            *experts_w).reshape(x.shape)
         cp = current()
         if cp is None:
-            return local(x_BTD, idx_BTK, weights_BTK, *weights)
+            return local(x_BTD, idx_BTK, weights_BTK, *experts_w)
         tokens = P(dividing_axes(cp.mesh, cp.batch_axes, x_BTD.shape[0]), cp.axis)
         # expert weights enter replicated (gathered if sharded); their gradients are summed over devices
         return jax.shard_map(local, mesh=cp.mesh, in_specs=(tokens,) * 3 + (P(),) * 3, out_specs=tokens,
-                             check_vma=False)(x_BTD, idx_BTK, weights_BTK, *weights)
+                             check_vma=False)(x_BTD, idx_BTK, weights_BTK, *experts_w)
 
     def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo) -> jax.Array:
         """Sort assignments by expert, grouped matmuls, weighted scatter-add back."""

@@ -307,6 +307,12 @@ def plot(res: dict, path: Path) -> None:
         base = [t for t in Ts if (t, 1) in steps]
         b.plot(base, [steps[(t, c)]["peak"] / steps[(t, 1)]["peak"] for t in base], f"C{i}-o", label=f"CP={c}")
         b.axhline(1 / c, color=f"C{i}", lw=0.7, ls=":")
+        for variant in sorted({r["variant"] for r in res.values() if r.get("variant")}):
+            vsteps = _steps(res, variant)
+            vT = sorted(t for t, cc in vsteps if cc == c and (t, 1) in steps)
+            a.plot(vT, [vsteps[(t, c)]["peak"] / 2**20 for t in vT], f"C{i}x", ms=9)
+            b.plot(vT, [vsteps[(t, c)]["peak"] / steps[(t, 1)]["peak"] for t in vT], f"C{i}x", ms=9,
+                   label=f"CP={c}, {variant}" if vT else None)
     Ts = sorted({t for t, _ in steps})
     for ax, ylabel in ((a, "per-device peak (MiB)"), (b, "peak / CP=1 peak (dotted: 1/CP)")):
         ax.set(xscale="log", yscale="log", xlabel="T (tokens per row)", ylabel=ylabel)

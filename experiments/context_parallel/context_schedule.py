@@ -63,7 +63,8 @@ def main() -> int:
         run(run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     stages = yaml.safe_load((run_dir / ".hydra/config.yaml").read_text())["schedule"]["stages"]
-    events = [line.split(" - ", 1)[-1].replace(f"{ROOT}/", "") for line in (run_dir / "run.log").read_text().splitlines()
+    log_lines = (run_dir / "run.log").read_text().splitlines()
+    events = [line.split(" - ", 1)[-1].replace(f"{ROOT}/", "") for line in log_lines
               if any(s in line for s in STAGE_LINES)]
     OUT.mkdir(parents=True, exist_ok=True)
     shutil.copy(run_dir / "metrics.jsonl", OUT / "context_schedule_metrics.jsonl")

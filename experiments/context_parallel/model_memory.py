@@ -202,7 +202,8 @@ def measure_layer(kind: str, T: int, cp: int) -> dict:
     row, rep = NamedSharding(mesh, P(None, "context")), NamedSharding(mesh, P())
     args = (jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=rep), params),
             jax.ShapeDtypeStruct((1, T, cfg.emb_dim), jnp.float32, sharding=row),
-            jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row), jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row))
+            jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row),
+            jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row))
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
     H, K = cfg.kda.num_heads, cfg.kda.head_dim
     return dict(peak(compiled), kind=kind, T=T, cp=cp, collectives=collectives(compiled.as_text()),
@@ -254,7 +255,8 @@ def table(res: dict) -> str:
         lines += ["", "Not measured (compile timed out): " + ", ".join(timed_out)]
     any_step = next(iter(steps.values()), None)
     if any_step:
-        lines += ["", f"Train state (params + AdamW moments, replicated on every device): {mib(any_step['state_bytes'])} "
+        state = mib(any_step["state_bytes"])
+        lines += ["", f"Train state (params + AdamW moments, replicated on every device): {state} "
                   "MiB. Breakdown of the largest T (MiB): arguments / outputs / temporaries / aliased.", "",
                   "| CP | arguments | outputs | temporaries | aliased | peak |", "|---|---|---|---|---|---|"]
         for c in cps:

@@ -117,7 +117,7 @@ def collectives(hlo: str) -> dict:
 
 # ---------------------------------------------------------------- one configuration (runs in a subprocess)
 
-def model_config(T: int):
+def model_config():
     from lingpack.models.ling3 import config_from_dict
     d = yaml.safe_load((ROOT / "conf/model/ling3_tiny.yaml").read_text())
     d.pop("vocab_size_divisible_by")
@@ -148,7 +148,7 @@ def measure_step(T: int, cp: int) -> dict:
     from lingpack.train.step import ModelDef, init_fn, make_train_step, state_shardings
 
     commit = _commit()   # the code this worker imported
-    cfg = model_config(T)
+    cfg = model_config()
     parallel = ParallelConfig(data=1, context=cp, context_strategy="ring", load_balance=True)
     mesh = shard_lib.make_mesh(parallel, devices=jax.devices()[:cp])
     context = ContextParallel.from_config(parallel, mesh)
@@ -183,7 +183,7 @@ def measure_layer(kind: str, T: int, cp: int) -> dict:
     from lingpack.train import sharding as shard_lib
     from lingpack.train.configs import ParallelConfig
 
-    cfg = model_config(T)
+    cfg = model_config()
     if kind == "kda":
         layer = KDA(cfg.kda, cfg.emb_dim, kernel=KDAKernel(chunk_size=cfg.kda_chunk_size), rngs=nnx.Rngs(0))
         call = lambda m, x, seg, pos: m(x, seg)

@@ -217,7 +217,10 @@ def process_rows(sharding, global_rows: int) -> tuple[int, ...]:
 
     `jax.make_array_from_process_local_data` takes exactly these rows, in this order, as the local data.
     """
-    indices = sharding.addressable_devices_indices_map((global_rows,)).values()
+    import jax
+    # only the row axis matters (a [B, T] spec also splits tokens, e.g. over `context`)
+    rows_only = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
+    indices = rows_only.addressable_devices_indices_map((global_rows,)).values()
     rows = set()
     for index in indices:
         rows.update(range(*index[0].indices(global_rows)))

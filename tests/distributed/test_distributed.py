@@ -91,6 +91,10 @@ def test_process_rows_of_a_single_process_are_all_rows():
     local = {"inputs": np.arange(16, dtype=np.int32).reshape(8, 2)}
     batch = dist.global_batch(local, NamedSharding(mesh, P("data")), 8)
     np.testing.assert_array_equal(np.asarray(batch["inputs"]), local["inputs"])
+    # a [B, T] batch spec that also splits tokens (as under context parallelism) still yields whole rows
+    row_by_token = NamedSharding(mesh, P("data", "tensor"))
+    assert dist.process_rows(row_by_token, 8) == tuple(range(8))
+    np.testing.assert_array_equal(np.asarray(dist.global_batch(local, row_by_token, 8)["inputs"]), local["inputs"])
 
 
 def test_pipeline_reads_exactly_the_given_rows(tmp_path):

@@ -7,7 +7,7 @@ scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor
 Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
 token is ever dropped: `jax.lax.ragged_dot` on accelerators, `tiled_grouped_matmul` on CPU, where
 ragged_dot computes every row against every expert (E times the work; bench_train.py measured it).
-Shared experts see every token.
+Shared experts see every token. Under context parallelism every device dispatches its own tokens.
 
 `expert_bias` is an `ExpertBias` variable, not an `nnx.Param`: gradients never reach it; it moves only
 through `update_expert_bias` (outside the gradient), from the per-expert load counts each call returns.
@@ -22,8 +22,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from lingpack.models.layers import DEFAULT_INIT, MLP, partitioned
+from lingpack.parallel.context import current, dividing_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +122,23 @@ class MoE(nnx.Module):
         self.shared_experts = (MLP(D, I * cfg.num_shared_experts, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                if cfg.num_shared_experts else None)
 
-    def experts(self, x_ND: jax.Array, idx_NK: jax.Array, weights_NK: jax.Array) -> jax.Array:
-        """Dropless dispatch: sort assignments by expert, grouped matmuls, weighted scatter-add back."""
+    def experts(self, x_BTD: jax.Array, idx_BTK: jax.Array, weights_BTK: jax.Array) -> jax.Array:
+        """Dropless dispatch of every token; under context parallelism each device dispatches its own tokens
+        (a global sort over a split token axis would gather every token onto every device)."""
+        experts_w = (self.wi_gate[...], self.wi_up[...], self.wo[...])
+        local = lambda x, idx, w, *experts_w: self._dispatch(
+            x.reshape(-1, x.shape[-1]), idx.reshape(-1, idx.shape[-1]), w.reshape(-1, w.shape[-1]),
+            *experts_w).reshape(x.shape)
+        cp = current()
+        if cp is None:
+            return local(x_BTD, idx_BTK, weights_BTK, *experts_w)
+        tokens = P(dividing_axes(cp.mesh, cp.batch_axes, x_BTD.shape[0]), cp.axis)
+        # expert weights enter replicated (gathered if sharded); their gradients are summed over devices
+        return jax.shard_map(local, mesh=cp.mesh, in_specs=(tokens,) * 3 + (P(),) * 3, out_specs=tokens,
+                             check_vma=False)(x_BTD, idx_BTK, weights_BTK, *experts_w)
+
+    def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo) -> jax.Array:
+        """Sort assignments by expert, grouped matmuls, weighted scatter-add back."""
         N, D = x_ND.shape
         k, E = idx_NK.shape[1], self.cfg.num_experts
         flat_expert = idx_NK.reshape(-1)
@@ -130,10 +147,10 @@ class MoE(nnx.Module):
         group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
         tiled = self.cfg.grouped_matmul == "tiled" or (self.cfg.grouped_matmul == "auto" and jax.default_backend() == "cpu")
         grouped = tiled_grouped_matmul if tiled else jax.lax.ragged_dot
-        mm = lambda a, w: grouped(a, w[...].astype(self.dtype), group_sizes,
+        mm = lambda a, w: grouped(a, w.astype(self.dtype), group_sizes,
                                   preferred_element_type=jnp.float32)  # fp32 accumulation for bf16
-        h = jax.nn.silu(mm(x_sorted, self.wi_gate)) * mm(x_sorted, self.wi_up)
-        y_sorted = mm(h.astype(self.dtype), self.wo)
+        h = jax.nn.silu(mm(x_sorted, wi_gate)) * mm(x_sorted, wi_up)
+        y_sorted = mm(h.astype(self.dtype), wo)
         y_NKD = jnp.zeros((N * k, D), jnp.float32).at[order].set(y_sorted).reshape(N, k, D)
         return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK).astype(self.dtype)
 
@@ -142,7 +159,7 @@ class MoE(nnx.Module):
         x_ND = x_BTD.reshape(B * T, D)
         logits_NE = x_ND.astype(jnp.float32) @ self.router[...]  # fp32 routing (see the router's comment)
         idx_NK, weights_NK = route(logits_NE, self.expert_bias[...], self.cfg)
-        y_ND = self.experts(x_ND, idx_NK, weights_NK)
+        y_ND = self.experts(x_BTD, idx_NK.reshape(B, T, -1), weights_NK.reshape(B, T, -1)).reshape(B * T, D)
         if self.shared_experts is not None:
             y_ND = y_ND + self.shared_experts(x_ND)
         real_N = (jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0).reshape(-1)

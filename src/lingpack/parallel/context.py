@@ -108,7 +108,10 @@ def current() -> ContextParallel | None:
     return cp if cp is not None and cp.size > 1 else None
 
 
-def _axes_that_divide(mesh: Mesh, axes, size: int):
+def dividing_axes(mesh: Mesh, axes, size: int):
+    """The PartitionSpec entry that splits a dimension of `size` over `axes` (those of size > 1 in `mesh`):
+    one axis name, a tuple of them, or None (replicated) when there are none or their product does not
+    divide `size` (e.g. B=1 rows over a data axis stay whole)."""
     axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
     if not axes or size % math.prod(mesh.shape[a] for a in axes):
         return None
@@ -138,8 +141,8 @@ def context_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, *, cp: ContextPara
     B, T, H, K = q_BTHK.shape
     tiling = Tiling(float(scale), True, *(attention_block(cp, T, block),) * 2)
     U, R = cp.degrees
-    batch = _axes_that_divide(cp.mesh, cp.batch_axes, B)
-    heads = _axes_that_divide(cp.mesh, cp.head_axes, H)
+    batch = dividing_axes(cp.mesh, cp.batch_axes, B)
+    heads = dividing_axes(cp.mesh, cp.head_axes, H)
     x_spec, seg_spec = P(batch, cp.axis, heads, None), P(batch, cp.axis)
     flat = lambda a: a if isinstance(a, tuple) else ((a,) if a else ())
     used = flat(batch) + (cp.axis,) + flat(heads)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from lingpack.parallel.context import _axes_that_divide as axes_that_divide
+from lingpack.parallel.context import dividing_axes
 
 NO_SEGMENT = -1  # segment id of tokens beyond the row's ends: matches no document and no padding (0)
 
@@ -90,7 +90,7 @@ def context_neighbours(fn: Callable, x_BT_, segment_ids_BT, *params, cp, side: s
     in `cp`'s layout (a parallel.context.ContextParallel: mesh, axis, load_balance, batch_axes);
     fn(x, segment_ids, *params) gets `params` replicated (their gradients are summed)."""
     mesh, axis = cp.mesh, cp.axis
-    batch = axes_that_divide(mesh, cp.batch_axes, x_BT_.shape[0])
+    batch = dividing_axes(mesh, cp.batch_axes, x_BT_.shape[0])
     x_spec = P(batch, axis, *([None] * (x_BT_.ndim - 2)))
 
     def local(x, seg, *params):

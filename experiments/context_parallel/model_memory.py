@@ -1,0 +1,381 @@
+"""The whole ling3_tiny train step under context parallelism: per-device memory vs T, and collectives.
+
+    python experiments/context_parallel/model_memory.py [--T 4096 16384 65536] [--cp 1 2 4 8] [--jobs 3]
+    python experiments/context_parallel/model_memory.py --table-only     # re-render md + png from the json
+
+Part 1 (memory). One train step of ling3_tiny (forward, backward, clip, AdamW; B=1; fp32; KDA `chunked`, MLA
+`flash` on one device and `ring` under CP, zigzag layout) is compiled for 8 fake CPU devices and its
+per-device peak read from `.compile().memory_analysis()` (arguments + outputs + temporaries - aliased), for
+each T and context size CP (CP devices on the `context` axis, nothing else split). Nothing runs: these are
+XLA's buffer-assignment numbers of the compiled per-device program, independent of machine load.
+
+Part 2 (collectives). In the same compiled HLO (and in one KDA layer and one MLA layer compiled alone,
+forward + backward w.r.t. parameters and input, at T=16K under CP=8), every collective by kind: how many
+execute (ops inside a `while` body count once per iteration, from XLA's known trip count) and their result
+bytes per device.
+
+Every configuration compiles in its own subprocess with a timeout; results are merged into
+`results/model_memory.json` as they arrive, so an interrupted run keeps what it measured (rerun to fill in
+the rest: finished configurations are skipped).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import concurrent.futures  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import yaml  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "experiments/context_parallel/results"
+VOCAB = 384              # the bundled corpus' vocabulary, padded (what `python run.py` builds)
+LAYER_T, LAYER_CP = 16384, 8
+COUNTER = 2             # version of `collectives`; the table skips counts from older versions
+VARIANTS = {   # code changes measured against the main grid (which stays as it was measured)
+    "moe_local": "each device dispatches its own tokens to the experts (before: one global sort over the split "
+                 "token axis, which XLA runs on every token on every device).",
+}
+KINDS = ("all-gather", "collective-permute", "all-reduce", "reduce-scatter", "all-to-all")
+DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
+
+
+# ---------------------------------------------------------------- HLO collectives (executed, with loop trip counts)
+
+def _shape_bytes(shape: str) -> int:
+    return sum(DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+               for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
+
+
+def _group_size(line: str) -> int | None:
+    """Devices per replica group of a collective (None: not stated, e.g. collective-permute)."""
+    listed = re.search(r"replica_groups=\{\{([^}]*)\}", line)
+    if listed:
+        return len(listed.group(1).split(","))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    return int(iota.group(2)) if iota else None
+
+
+def collectives(hlo: str) -> dict:
+    """{kind: {"count": executed ops, "bytes": their result bytes}} of a compiled module's HLO text.
+
+    A computation's ops run once per call; a `while` body runs its known trip count times (unknown: once,
+    and `unknown_trip_counts` says how many loops that was). Collectives whose replica groups are single
+    devices move nothing and are only counted (`trivial`)."""
+    comps, name, entry = {}, None, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head:
+            name = head.group(2)
+            comps[name] = []
+            entry = name if head.group(1) else entry
+        elif name is not None and line.strip() and line.strip() != "}":
+            comps[name].append(line)
+    totals = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    unknown, trivial = [0], [0]
+
+    def visit(comp: str, times: int) -> None:
+        for line in comps.get(comp, []):
+            line = re.sub(r"/\*.*?\*/", "", line)   # tuple shapes carry /*index=5*/ comments
+            op = re.search(r"=\s*(\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(", line)
+            if op:
+                shape, opcode = op.groups()
+                kind = opcode[:-5] if opcode.endswith("-done") else opcode
+                if kind in KINDS and _group_size(line) == 1:
+                    trivial[0] += times   # over size-1 mesh axes (e.g. a cotangent's psum over `data`=1): no traffic
+                elif kind in KINDS:
+                    totals[kind]["count"] += times
+                    totals[kind]["bytes"] += times * _shape_bytes(shape)
+                if opcode == "while":
+                    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                    unknown[0] += trip is None
+                    visit(re.search(r"body=%?([\w.\-]+)", line).group(1), times * int(trip.group(1) if trip else 1))
+                    continue
+            for callee in re.findall(r"(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)", line):
+                visit(callee, times)
+            for branches in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                for callee in re.findall(r"%?([\w.\-]+)", branches):
+                    visit(callee, times)  # a conditional's branches: counted as if each ran (an upper bound)
+
+    visit(entry, 1)
+    return {"by_kind": {k: dict(totals[k]) for k in KINDS if k in totals}, "unknown_trip_counts": unknown[0],
+            "trivial": trivial[0], "counter": COUNTER}
+
+
+# ---------------------------------------------------------------- one configuration (runs in a subprocess)
+
+def model_config():
+    from lingpack.models.ling3 import config_from_dict
+    d = yaml.safe_load((ROOT / "conf/model/ling3_tiny.yaml").read_text())
+    d.pop("vocab_size_divisible_by")
+    d.update(vocab_size=VOCAB, attention_impl="flash")
+    return config_from_dict(d)
+
+
+def peak(compiled) -> dict:
+    m = compiled.memory_analysis()
+    parts = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
+    return dict(parts, peak=parts["argument"] + parts["output"] + parts["temp"] - parts["alias"])
+
+
+def _commit() -> str:
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "src") else "")
+
+
+def measure_step(T: int, cp: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from lingpack.models.ling3 import Ling3
+    from lingpack.parallel.context import ContextParallel
+    from lingpack.train import sharding as shard_lib
+    from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig
+    from lingpack.train.step import ModelDef, init_fn, make_train_step, state_shardings
+
+    commit = _commit()   # the code this worker imported
+    cfg = model_config()
+    parallel = ParallelConfig(data=1, context=cp, context_strategy="ring", load_balance=True)
+    mesh = shard_lib.make_mesh(parallel, devices=jax.devices()[:cp])
+    context = ContextParallel.from_config(parallel, mesh)
+    build = lambda: Ling3(cfg, rngs=nnx.Rngs(0))
+    model_def, optim = ModelDef.from_constructor(build, cfg), OptimConfig(decay_steps=1000)
+    abstract = jax.eval_shape(init_fn(build, optim, 0))
+    shardings = state_shardings(model_def, abstract, mesh, parallel.rules)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    row = jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=shard_lib.batch_sharding(mesh, parallel.rules))
+    batch = {k: row for k in ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")}
+    step = make_train_step(model_def, LossConfig(), optim, micro_batches=1, mesh=mesh, rules=parallel.rules,
+                           shardings=shardings, context=context)
+    start = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+    if os.environ.get("MODEL_MEMORY_HLO_DIR"):   # keep the per-device program for inspection
+        Path(os.environ["MODEL_MEMORY_HLO_DIR"], f"step_{T}_{cp}.hlo").write_text(compiled.as_text())
+    return dict(peak(compiled), T=T, cp=cp, compile_s=time.perf_counter() - start, state_bytes=int(state_bytes),
+                collectives=collectives(compiled.as_text()), commit=commit)
+
+
+def measure_layer(kind: str, T: int, cp: int) -> dict:
+    """One KDA or MLA layer alone, grads of its parameters and input, under CP=`cp` (ring MLA, zigzag)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from lingpack.models.kda import KDA, KDAKernel
+    from lingpack.models.mla import MLA
+    from lingpack.parallel.context import ContextParallel, context_parallel
+    from lingpack.train import sharding as shard_lib
+    from lingpack.train.configs import ParallelConfig
+
+    cfg = model_config()
+    if kind == "kda":
+        layer = KDA(cfg.kda, cfg.emb_dim, kernel=KDAKernel(chunk_size=cfg.kda_chunk_size), rngs=nnx.Rngs(0))
+        call = lambda m, x, seg, pos: m(x, seg)
+    else:
+        layer = MLA(cfg.mla, cfg.emb_dim, attention_impl="flash", attention_block=cfg.attention_block_size,
+                    rngs=nnx.Rngs(0))
+        call = lambda m, x, seg, pos: m(x, seg, pos)
+    graphdef, params = nnx.split(layer)
+    mesh = shard_lib.make_mesh(ParallelConfig(data=1, context=cp), devices=jax.devices()[:cp])
+    context = ContextParallel(mesh, strategy="ring")
+
+    def loss(params, x, seg, pos):
+        with context_parallel(context):
+            return jnp.sum(call(nnx.merge(graphdef, params), x, seg, pos))
+
+    row, rep = NamedSharding(mesh, P(None, "context")), NamedSharding(mesh, P())
+    args = (jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=rep), params),
+            jax.ShapeDtypeStruct((1, T, cfg.emb_dim), jnp.float32, sharding=row),
+            jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row),
+            jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+    H, K = cfg.kda.num_heads, cfg.kda.head_dim
+    return dict(peak(compiled), kind=kind, T=T, cp=cp, collectives=collectives(compiled.as_text()),
+                kda_summary_bytes=H * K * 2 * K * 4)   # one block's fp32 [H, K, K + V] (K = V here)
+
+
+# ---------------------------------------------------------------- driver, table, plot
+
+def run_one(key: str, args: list[str], timeout: int) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", *args]
+    print(f"{key}: compiling ...", flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    except subprocess.TimeoutExpired:
+        print(f"{key}: timed out after {timeout} s", flush=True)
+        return {"timeout_s": timeout}
+    if proc.returncode:
+        print(f"{key}: failed\n{proc.stderr[-3000:]}", flush=True)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def mib(b: float) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def _steps(res: dict, variant: str = "") -> dict:
+    prefix = f"step@{variant}/" if variant else "step/"
+    return {(r["T"], r["cp"]): r for k, r in res.items() if k.startswith(prefix) and "peak" in r}
+
+
+def table(res: dict) -> str:
+    steps = _steps(res)
+    Ts, cps = sorted({t for t, _ in steps}), sorted({c for _, c in steps})
+    lines = ["Per-device peak of one ling3_tiny train step (MiB; B=1, fp32, 4 layers: 3 KDA + 1 MLA, AdamW), compiled "
+             "for the row split over `context`=CP (zigzag; KDA state passing, ring MLA; CP=1: one device, flash MLA). "
+             "In brackets: peak / CP=1 peak at that T (goal ~1/CP).", "",
+             "| T | " + " | ".join(f"CP={c}" for c in cps) + " |", "|---" * (len(cps) + 1) + "|"]
+    for T in Ts:
+        base = steps.get((T, 1))
+        cells = []
+        for c in cps:
+            r = steps.get((T, c))
+            cells.append("-" if r is None else mib(r["peak"]) + (f" ({r['peak'] / base['peak']:.3f})" if base else ""))
+        lines.append(f"| {T // 1024}K | " + " | ".join(cells) + " |")
+    timed_out = sorted(k for k, r in res.items() if "timeout_s" in r)
+    if timed_out:
+        lines += ["", "Not measured (compile timed out): " + ", ".join(timed_out)]
+    any_step = next(iter(steps.values()), None)
+    if any_step:
+        state = mib(any_step["state_bytes"])
+        lines += ["", f"Train state (params + AdamW moments, replicated on every device): {state} "
+                  "MiB. Breakdown of the largest T (MiB): arguments / outputs / temporaries / aliased.", "",
+                  "| CP | arguments | outputs | temporaries | aliased | peak |", "|---|---|---|---|---|---|"]
+        for c in cps:
+            r = steps.get((Ts[-1], c))
+            if r:
+                lines.append(f"| {c} | {mib(r['argument'])} | {mib(r['output'])} | {mib(r['temp'])} | "
+                             f"{mib(r['alias'])} | {mib(r['peak'])} |")
+    for variant in sorted({r["variant"] for r in res.values() if r.get("variant")}):
+        vsteps = _steps(res, variant)
+        lines += ["", f"Variant `{variant}` (commit {next(iter(vsteps.values()))['commit']}): {VARIANTS[variant]} "
+                  "In brackets: peak / CP=1 peak of this variant (of the table above where it has none).", "",
+                  "| T | CP | peak | ratio |", "|---|---|---|---|"]
+        for (T, c), r in sorted(vsteps.items()):
+            base = vsteps.get((T, 1)) or steps.get((T, 1))
+            lines.append(f"| {T // 1024}K | {c} | {mib(r['peak'])} | " + (f"{r['peak'] / base['peak']:.3f}" if base
+                                                                          else "-") + " |")
+    lines += ["", "Collectives executed per device (count / KiB of results; `while` bodies times their trip count; "
+              "trivial: over size-1 mesh axes, no traffic, not in the other columns).",
+              "", "| program | " + " | ".join(KINDS) + " | trivial |", "|---" * (len(KINDS) + 2) + "|"]
+    rows = [(f"KDA layer fwd+bwd, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
+            if k.startswith("layer/kda") and "collectives" in r]
+    rows += [(f"MLA layer (ring) fwd+bwd, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
+             if k.startswith("layer/mla") and "collectives" in r]
+    rows += [(f"train step, T={T // 1024}K, CP={c}", r) for (T, c), r in sorted(steps.items()) if c > 1]
+    rows += [(f"train step `{r['variant']}`, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
+             if r.get("variant") and r["cp"] > 1]
+    rows = [(name, r) for name, r in rows if r["collectives"].get("counter") == COUNTER]
+    for name, r in rows:
+        by = r["collectives"]["by_kind"]
+        lines.append(f"| {name} | " + " | ".join(f"{by[k]['count']} / {by[k]['bytes'] / 1024:.1f}" if k in by else "0"
+                                                 for k in KINDS) + f" | {r['collectives']['trivial']} |")
+    kda = res.get(f"layer/kda/{LAYER_T}/{LAYER_CP}")
+    if kda:
+        lines += ["", f"LASP-2 / FLA pattern per KDA layer: one all-gather of the per-block [H, K, K+V] fp32 summary "
+                  f"({kda['kda_summary_bytes'] / 1024:.0f} KiB per block; {2 * kda['cp']} blocks under zigzag = "
+                  f"{2 * kda['cp'] * kda['kda_summary_bytes'] / 1024:.0f} KiB gathered) forward, and its transpose "
+                  "(a reduce-scatter) backward."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = {(r["T"], r["cp"]): r for k, r in res.items() if k.startswith("step/") and "peak" in r}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, c in enumerate(sorted({c for _, c in steps})):
+        Ts = sorted(t for t, cc in steps if cc == c)
+        a.plot(Ts, [steps[(t, c)]["peak"] / 2**20 for t in Ts], f"C{i}-o", label=f"CP={c}")
+        base = [t for t in Ts if (t, 1) in steps]
+        b.plot(base, [steps[(t, c)]["peak"] / steps[(t, 1)]["peak"] for t in base], f"C{i}-o", label=f"CP={c}")
+        b.axhline(1 / c, color=f"C{i}", lw=0.7, ls=":")
+        for variant in sorted({r["variant"] for r in res.values() if r.get("variant")}):
+            vsteps = _steps(res, variant)
+            vT = sorted(t for t, cc in vsteps if cc == c and (t, 1) in steps)
+            a.plot(vT, [vsteps[(t, c)]["peak"] / 2**20 for t in vT], f"C{i}x", ms=9)
+            b.plot(vT, [vsteps[(t, c)]["peak"] / steps[(t, 1)]["peak"] for t in vT], f"C{i}x", ms=9,
+                   label=f"CP={c}, {variant}" if vT else None)
+    Ts = sorted({t for t, _ in steps})
+    for ax, ylabel in ((a, "per-device peak (MiB)"), (b, "peak / CP=1 peak (dotted: 1/CP)")):
+        ax.set(xscale="log", yscale="log", xlabel="T (tokens per row)", ylabel=ylabel)
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xticks(Ts, [f"{t // 1024}K" for t in Ts])
+        ax.legend(fontsize=8)
+    a.set_title("ling3_tiny train step, compiled per-device peak")
+    b.set_title("ratio to one device")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write(res: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "model_memory.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+    (OUT / "model_memory.md").write_text(table(res))
+    if any(k.startswith("step/") and "peak" in r for k, r in res.items()):
+        plot(res, OUT / "model_memory.png")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per configuration's compile")
+    parser.add_argument("--retry-timeouts", action="store_true", help="recompile configurations that timed out")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), help="measure the current code as this variant "
+                        "(kept beside the main grid, which it does not replace)")
+    parser.add_argument("--jobs", type=int, default=1, help="configurations compiled at once (one process each)")
+    parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        what, T, cp = args.worker[0], int(args.worker[1]), int(args.worker[2])
+        print(json.dumps(measure_step(T, cp) if what == "step" else measure_layer(what, T, cp)))
+        return 0
+    path = OUT / "model_memory.json"
+    res = json.loads(path.read_text()) if path.exists() else {}
+    todo = [(f"layer/{k}/{LAYER_T}/{LAYER_CP}", [k, str(LAYER_T), str(LAYER_CP)]) for k in ("kda", "mla")]
+    step = f"step@{args.variant}" if args.variant else "step"
+    todo += [(f"{step}/{T}/{cp}", ["step", str(T), str(cp)]) for T in args.T for cp in args.cp]
+    todo = [(key, a) for key, a in todo if key not in res or ("timeout_s" in res[key] and args.retry_timeouts)]
+    lock = threading.Lock()
+
+    def one(item):
+        key, worker_args = item
+        got = run_one(key, worker_args, args.timeout)
+        if got is not None and args.variant and key.startswith("step@"):
+            got["variant"] = args.variant
+        if got is not None:
+            with lock:   # merge and rewrite the artifacts as each configuration arrives
+                res[key] = got
+                write(res)
+            print(f"{key}: {json.dumps({k: v for k, v in got.items() if k != 'collectives'})}", flush=True)
+
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(one, [] if args.table_only else todo))
+    write(res)
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,22 +13,26 @@ When to start the distributed runtime (`DistributedConfig.initialize`):
   false   never (one process).
 A process that is not the coordinator first waits, in Python and at most `initialization_timeout_s`, until
 the coordinator's port answers, so a wrong address or a missing process 0 ends in a one-line error
-(`DistributedError`) instead of XLA's abort.
+(`DistributedError`) instead of XLA's abort; a process that never arrives ends every waiting process
+(process 0 included) with one line and exit status 1 after the same timeout (a watchdog thread).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import sys
+import threading
 import time
 
 log = logging.getLogger("lingpack.distributed")
 
 ENV_ADDRESS, ENV_COUNT, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 _STARTED: dict | None = None  # the (address, count, id) this process joined with; None = not started
+WATCHDOG_GRACE_S = 30  # XLA's own deadline comes this much after the watchdog's, so the watchdog speaks first
 
 
 class DistributedError(RuntimeError):
@@ -144,6 +148,15 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int) -> Non
             time.sleep(0.5)
 
 
+def _give_up(address: str, count: int, pid: int, timeout_s: int) -> None:
+    """The initialization watchdog: one line, then exit at once (the main thread is stuck inside XLA)."""
+    print(f"lingpack: process {pid} of {count}: not all {count} processes joined the coordinator at {address} within "
+          f"{timeout_s} s; start every process with the same coordinator address and num_processes (see the other "
+          "processes' logs for one that failed), or raise distributed.initialization_timeout_s",
+          file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def initialize(cfg: DistributedConfig | None = None, environ=None) -> bool:
     """Start `jax.distributed` once per process when the launch is multi-process; True when it is.
 
@@ -177,14 +190,20 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> bool:
     started = time.monotonic()
     if address is not None and pid not in (None, 0):
         wait_for_coordinator(address, cfg.initialization_timeout_s, pid)
-    remaining = max(1, int(cfg.initialization_timeout_s - (time.monotonic() - started)))
-    # XLA aborts the process (no Python exception) when the others do not arrive: say what is awaited first.
+    remaining = max(1, math.ceil(cfg.initialization_timeout_s - (time.monotonic() - started)))
     print(f"lingpack: process {pid} of {count} joining the coordinator at {address}; waiting up to {remaining} s "
-          "for every process (an abort with DEADLINE_EXCEEDED below means one never arrived)",
-          file=sys.stderr, flush=True)
-    # Process 0 still writes plots, summary and parity after training: the others wait for it at exit.
-    jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=pid,
-                               initialization_timeout=remaining, shutdown_timeout_seconds=cfg.shutdown_timeout_s)
+          "for every process", file=sys.stderr, flush=True)
+    # XLA aborts the process (C++ check failure, no Python exception) when a process never arrives; this
+    # watchdog exits first with one line. It runs because the blocked connect releases the GIL.
+    watchdog = threading.Timer(remaining, _give_up, (address, count, pid, remaining))
+    watchdog.daemon = True
+    watchdog.start()
+    try:  # Process 0 still writes plots, summary and parity after training: the others wait for it at exit.
+        jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=pid,
+                                   initialization_timeout=remaining + WATCHDOG_GRACE_S,
+                                   shutdown_timeout_seconds=cfg.shutdown_timeout_s)
+    finally:
+        watchdog.cancel()
     _STARTED = resolved
     log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())

@@ -235,7 +235,11 @@ def process_rows(sharding, global_rows: int) -> tuple[int, ...]:
     """Rows (of `global_rows`) that this process's devices hold under `sharding` of a [B, ...] array, sorted.
 
     `jax.make_array_from_process_local_data` takes exactly these rows, in this order, as the local data.
+    Only the row axis counts: a process holding some of a row's tokens (context axis) reads the whole row.
     """
+    from jax.sharding import NamedSharding, PartitionSpec
+    if isinstance(sharding, NamedSharding) and len(sharding.spec) > 1:
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0]))
     indices = sharding.addressable_devices_indices_map((global_rows,)).values()
     rows = set()
     for index in indices:

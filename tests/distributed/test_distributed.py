@@ -93,6 +93,21 @@ def test_process_rows_of_a_single_process_are_all_rows():
     np.testing.assert_array_equal(np.asarray(batch["inputs"]), local["inputs"])
 
 
+@pytest.mark.parametrize("data, context", [(1, 8), (2, 4)])
+def test_process_rows_of_a_context_sharded_batch(data, context):
+    """Rows split over the context axis (tokens over devices): the row axis alone decides the rows read."""
+    from lingpack.train import sharding as shard_lib
+    from lingpack.train.configs import ParallelConfig
+    parallel = ParallelConfig(data=data, context=context)
+    sharding = shard_lib.batch_sharding(shard_lib.make_mesh(parallel), parallel.rules)
+    assert sharding.spec == P("data" if data > 1 else None, "context")
+    assert dist.process_rows(sharding, 8) == tuple(range(8))
+    local = {"inputs": np.arange(8 * 16, dtype=np.int32).reshape(8, 16)}
+    batch = dist.global_batch(local, sharding, 8)
+    assert batch["inputs"].sharding == sharding
+    np.testing.assert_array_equal(np.asarray(batch["inputs"]), local["inputs"])
+
+
 def test_pipeline_reads_exactly_the_given_rows(tmp_path):
     from lingpack.data.config import DataConfig
     from lingpack.data.pipeline import make_dataset

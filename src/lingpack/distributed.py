@@ -32,6 +32,7 @@ log = logging.getLogger("lingpack.distributed")
 
 ENV_ADDRESS, ENV_COUNT, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 _STARTED: dict | None = None  # the (address, count, id) this process joined with; None = not started
+_STARTED_CFG = None  # the DistributedConfig it started with (its timeouts)
 WATCHDOG_GRACE_S = 30  # XLA's own deadline comes this much after the watchdog's, so the watchdog speaks first
 
 
@@ -163,7 +164,7 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> bool:
     Also enables the persistent compilation cache. Safe to call again (every Hydra job of a sweep does):
     later calls only check that they ask for the same processes.
     """
-    global _STARTED
+    global _STARTED, _STARTED_CFG
     cfg = cfg or DistributedConfig()
     import jax
     if cfg.compilation_cache_dir:
@@ -204,7 +205,7 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> bool:
                                    shutdown_timeout_seconds=cfg.shutdown_timeout_s)
     finally:
         watchdog.cancel()
-    _STARTED = resolved
+    _STARTED, _STARTED_CFG = resolved, cfg
     log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())
     return True
@@ -216,7 +217,43 @@ def is_writer() -> bool:
     return jax.process_index() == 0
 
 
-def check_same_everywhere(label: str, value: str) -> None:
+_BARRIERS = [0]  # barriers passed so far: every process passes the same ones in the same order
+
+
+def wait_for_everyone(label: str, timeout_s: int) -> None:
+    """Block (at most `timeout_s`, then raise) until every process got here; a no-op in one process.
+
+    A barrier of the coordination service, not a device collective (CPU collectives give a late peer 30 s).
+    """
+    import jax
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed
+    _BARRIERS[0] += 1
+    jax_distributed.global_state.client.wait_at_barrier(f"lingpack-{_BARRIERS[0]}-{label.replace(' ', '-')}",
+                                                        timeout_in_ms=int(timeout_s * 1000))
+
+
+def compile_then_wait(jitted, *args) -> None:
+    """Compile `jitted` for `args` (its call then hits jit's cache) and wait, at most
+    `initialization_timeout_s`, until every process has; a no-op in one process.
+
+    Compile times differ by minutes between processes on a loaded machine, and the first CPU collective
+    (gloo) gives a late peer only 30 s.
+    """
+    import jax
+    if jax.process_count() > 1:
+        jitted.lower(*args).compile()
+        wait_for_everyone("compiled", (_STARTED_CFG or DistributedConfig()).initialization_timeout_s)
+
+
+def wait_for_writer() -> None:
+    """The end of a run: every process waits here, at most `shutdown_timeout_s`, until process 0 has
+    written its summary, plots and parity (JAX's own exit barrier gives up after 5 minutes)."""
+    wait_for_everyone("run end", (_STARTED_CFG or DistributedConfig()).shutdown_timeout_s)
+
+
+def check_same_everywhere(label: str, value: str) -> None:def check_same_everywhere(label: str, value: str) -> None:
     """Raise on every process when processes disagree on `value` (e.g. the run directory)."""
     import jax
     if jax.process_count() == 1:

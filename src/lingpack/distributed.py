@@ -253,7 +253,7 @@ def wait_for_writer() -> None:
     wait_for_everyone("run end", (_STARTED_CFG or DistributedConfig()).shutdown_timeout_s)
 
 
-def check_same_everywhere(label: str, value: str) -> None:def check_same_everywhere(label: str, value: str) -> None:
+def check_same_everywhere(label: str, value: str) -> None:
     """Raise on every process when processes disagree on `value` (e.g. the run directory)."""
     import jax
     if jax.process_count() == 1:

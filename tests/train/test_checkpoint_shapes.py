@@ -12,8 +12,9 @@ from lingpack.train.step import TrainState
 
 
 def state(vocab: int) -> TrainState:
-    return TrainState(step=jnp.int32(2), updates=jnp.int32(2), params={"embed": jnp.ones((vocab, 3)), "out": jnp.ones(3)},
-                      rest={"bias": jnp.zeros(2)}, opt_state={"mu": jnp.zeros(3)}, rng=jnp.zeros(2, jnp.uint32))
+    return TrainState(step=jnp.int32(2), updates=jnp.int32(2),
+                      params={"embed": jnp.ones((vocab, 3)), "out": jnp.ones(3)}, rest={"bias": jnp.zeros(2)},
+                      opt_state={"mu": jnp.zeros(3)}, rng=jnp.zeros(2, jnp.uint32))
 
 
 def test_restore_into_other_shapes_names_the_parameter_and_the_fix(tmp_path):

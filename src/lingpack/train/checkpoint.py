@@ -36,7 +36,8 @@ def _shapes(tree) -> dict:
     """{"a/b/c": shape} of every array (or Orbax ArrayMetadata) leaf."""
     def name(key):
         return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
-    return {"/".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {"/".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 class Checkpointer:
@@ -82,7 +83,8 @@ class Checkpointer:
         except Exception:  # noqa: BLE001  metadata in another layout: Orbax's restore still checks
             return
         have, want = _shapes(stored), _shapes(params)
-        diff = [f"{k}: checkpoint {have[k]}, this run {want[k]}" for k in sorted(want) if have.get(k, want[k]) != want[k]]
+        diff = [f"{k}: checkpoint {have[k]}, this run {want[k]}" for k in sorted(want)
+                if have.get(k, want[k]) != want[k]]
         if diff:
             from lingpack.config import ConfigError
             raise ConfigError(

@@ -20,6 +20,7 @@ the coordinator's port answers, so a wrong address or a missing process 0 ends i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -199,7 +200,7 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> bool:
     watchdog = threading.Timer(remaining, _give_up, (address, count, pid, remaining))
     watchdog.daemon = True
     watchdog.start()
-    try:  # Process 0 still writes plots, summary and parity after training: the others wait for it at exit.
+    try:  # shutdown_timeout: the exit barrier on process 0's side (the others wait in `wait_for_writer` first)
         jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=pid,
                                    initialization_timeout=remaining + WATCHDOG_GRACE_S,
                                    shutdown_timeout_seconds=cfg.shutdown_timeout_s)
@@ -217,7 +218,7 @@ def is_writer() -> bool:
     return jax.process_index() == 0
 
 
-_BARRIERS = [0]  # barriers passed so far: every process passes the same ones in the same order
+_BARRIER_NUMBERS = itertools.count(1)  # every process passes the same barriers in the same order
 
 
 def wait_for_everyone(label: str, timeout_s: int) -> None:
@@ -229,9 +230,8 @@ def wait_for_everyone(label: str, timeout_s: int) -> None:
     if jax.process_count() == 1:
         return
     from jax._src import distributed as jax_distributed
-    _BARRIERS[0] += 1
-    jax_distributed.global_state.client.wait_at_barrier(f"lingpack-{_BARRIERS[0]}-{label.replace(' ', '-')}",
-                                                        timeout_in_ms=int(timeout_s * 1000))
+    name = f"lingpack-{next(_BARRIER_NUMBERS)}-{label.replace(' ', '-')}"
+    jax_distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
 
 
 def compile_then_wait(jitted, *args) -> None:

@@ -13,22 +13,28 @@ When to start the distributed runtime (`DistributedConfig.initialize`):
   false   never (one process).
 A process that is not the coordinator first waits, in Python and at most `initialization_timeout_s`, until
 the coordinator's port answers, so a wrong address or a missing process 0 ends in a one-line error
-(`DistributedError`) instead of XLA's abort.
+(`DistributedError`) instead of XLA's abort; a process that never arrives ends every waiting process
+(process 0 included) with one line and exit status 1 after the same timeout (a watchdog thread).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import math
 import os
 import socket
 import sys
+import threading
 import time
 
 log = logging.getLogger("lingpack.distributed")
 
 ENV_ADDRESS, ENV_COUNT, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 _STARTED: dict | None = None  # the (address, count, id) this process joined with; None = not started
+_STARTED_CFG = None  # the DistributedConfig it started with (its timeouts)
+WATCHDOG_GRACE_S = 30  # XLA's own deadline comes this much after the watchdog's, so the watchdog speaks first
 
 
 class DistributedError(RuntimeError):
@@ -144,13 +150,22 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int) -> Non
             time.sleep(0.5)
 
 
+def _give_up(address: str, count: int, pid: int, timeout_s: int) -> None:
+    """The initialization watchdog: one line, then exit at once (the main thread is stuck inside XLA)."""
+    print(f"lingpack: process {pid} of {count}: not all {count} processes joined the coordinator at {address} within "
+          f"{timeout_s} s; start every process with the same coordinator address and num_processes (see the other "
+          "processes' logs for one that failed), or raise distributed.initialization_timeout_s",
+          file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def initialize(cfg: DistributedConfig | None = None, environ=None) -> bool:
     """Start `jax.distributed` once per process when the launch is multi-process; True when it is.
 
     Also enables the persistent compilation cache. Safe to call again (every Hydra job of a sweep does):
     later calls only check that they ask for the same processes.
     """
-    global _STARTED
+    global _STARTED, _STARTED_CFG
     cfg = cfg or DistributedConfig()
     import jax
     if cfg.compilation_cache_dir:
@@ -177,15 +192,21 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> bool:
     started = time.monotonic()
     if address is not None and pid not in (None, 0):
         wait_for_coordinator(address, cfg.initialization_timeout_s, pid)
-    remaining = max(1, int(cfg.initialization_timeout_s - (time.monotonic() - started)))
-    # XLA aborts the process (no Python exception) when the others do not arrive: say what is awaited first.
+    remaining = max(1, math.ceil(cfg.initialization_timeout_s - (time.monotonic() - started)))
     print(f"lingpack: process {pid} of {count} joining the coordinator at {address}; waiting up to {remaining} s "
-          "for every process (an abort with DEADLINE_EXCEEDED below means one never arrived)",
-          file=sys.stderr, flush=True)
-    # Process 0 still writes plots, summary and parity after training: the others wait for it at exit.
-    jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=pid,
-                               initialization_timeout=remaining, shutdown_timeout_seconds=cfg.shutdown_timeout_s)
-    _STARTED = resolved
+          "for every process", file=sys.stderr, flush=True)
+    # XLA aborts the process (C++ check failure, no Python exception) when a process never arrives; this
+    # watchdog exits first with one line. It runs because the blocked connect releases the GIL.
+    watchdog = threading.Timer(remaining, _give_up, (address, count, pid, remaining))
+    watchdog.daemon = True
+    watchdog.start()
+    try:  # shutdown_timeout: the exit barrier on process 0's side (the others wait in `wait_for_writer` first)
+        jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=pid,
+                                   initialization_timeout=remaining + WATCHDOG_GRACE_S,
+                                   shutdown_timeout_seconds=cfg.shutdown_timeout_s)
+    finally:
+        watchdog.cancel()
+    _STARTED, _STARTED_CFG = resolved, cfg
     log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())
     return True
@@ -195,6 +216,41 @@ def is_writer() -> bool:
     """True on the one process that writes W&B, metrics, plots, summaries (process 0)."""
     import jax
     return jax.process_index() == 0
+
+
+_BARRIER_NUMBERS = itertools.count(1)  # every process passes the same barriers in the same order
+
+
+def wait_for_everyone(label: str, timeout_s: int) -> None:
+    """Block (at most `timeout_s`, then raise) until every process got here; a no-op in one process.
+
+    A barrier of the coordination service, not a device collective (CPU collectives give a late peer 30 s).
+    """
+    import jax
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed
+    name = f"lingpack-{next(_BARRIER_NUMBERS)}-{label.replace(' ', '-')}"
+    jax_distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
+
+
+def compile_then_wait(jitted, *args) -> None:
+    """Compile `jitted` for `args` (its call then hits jit's cache) and wait, at most
+    `initialization_timeout_s`, until every process has; a no-op in one process.
+
+    Compile times differ by minutes between processes on a loaded machine, and the first CPU collective
+    (gloo) gives a late peer only 30 s.
+    """
+    import jax
+    if jax.process_count() > 1:
+        jitted.lower(*args).compile()
+        wait_for_everyone("compiled", (_STARTED_CFG or DistributedConfig()).initialization_timeout_s)
+
+
+def wait_for_writer() -> None:
+    """The end of a run: every process waits here, at most `shutdown_timeout_s`, until process 0 has
+    written its summary, plots and parity (JAX's own exit barrier gives up after 5 minutes)."""
+    wait_for_everyone("run end", (_STARTED_CFG or DistributedConfig()).shutdown_timeout_s)
 
 
 def check_same_everywhere(label: str, value: str) -> None:
@@ -216,11 +272,12 @@ def process_rows(sharding, global_rows: int) -> tuple[int, ...]:
     """Rows (of `global_rows`) that this process's devices hold under `sharding` of a [B, ...] array, sorted.
 
     `jax.make_array_from_process_local_data` takes exactly these rows, in this order, as the local data.
+    Only the row axis counts: a process holding some of a row's tokens (context axis) reads the whole row.
     """
-    import jax
-    # only the row axis matters (a [B, T] spec also splits tokens, e.g. over `context`)
-    rows_only = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
-    indices = rows_only.addressable_devices_indices_map((global_rows,)).values()
+    from jax.sharding import NamedSharding, PartitionSpec
+    if isinstance(sharding, NamedSharding) and len(sharding.spec) > 1:
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0]))
+    indices = sharding.addressable_devices_indices_map((global_rows,)).values()
     rows = set()
     for index in indices:
         rows.update(range(*index[0].indices(global_rows)))

@@ -106,6 +106,13 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
     distributed.initialize(rc.distributed)
     distributed.check_same_everywhere("run directory", os.path.abspath(run_dir))
     writer = distributed.is_writer()  # the one place that decides who writes run records
+    summary = _train_and_report(rc, plain, run_dir, group, writer)
+    distributed.wait_for_writer()  # the others wait here while process 0 writes, not in JAX's exit barrier
+    return summary
+
+
+def _train_and_report(rc: config_lib.RunConfig, plain: dict, run_dir: str, group: str | None, writer: bool) -> dict:
+    """`run`'s body: train, then (process 0) the checks, records, plots and summary table."""
     os.makedirs(run_dir, exist_ok=True)
     _quiet_libraries()
     if writer:

@@ -109,22 +109,26 @@ def test_two_processes_fsdp_tensor_train_and_evaluate_like_one(tmp_path):
     assert_same_losses(losses(two), losses(one), [1, 2], keys=("loss", "lm_loss", "val_lm_loss"))
 
 
-@pytest.mark.slow  # written for issue 12, not yet run to completion (the shared 2-core machine was saturated)
+@pytest.mark.slow
 def test_two_process_checkpoint_restores_in_two_and_in_one_process(tmp_path):
-    """Steps 1-2 in 2 processes, saved; resumed for steps 3-4 in 2 processes and (resharded) in 1 process
-    with 4 devices: both equal an uninterrupted 4-step run."""
+    """Steps 1-2 in 2 processes with every parameter split over both (fsdp=8), saved by both; resumed for
+    steps 3-4 in 2 processes and in 1 process with 8 devices as data 2 x fsdp 4 (Orbax reshards each
+    parameter from 8 shards to 4 on restore): both equal an uninterrupted 4-step run."""
     schedule = ["optim.warmup_steps=1", "optim.decay_steps=4"]  # the same schedule for 2- and 4-step runs
+    fsdp = ["parallel.data=1", "parallel.fsdp=-1", *schedule]
     cache = tmp_path / "cache"
-    first = launch(2, 4, tmp_path / "two", [*schedule, "train.steps=2"], cache)
-    full = launch(1, 8, tmp_path / "full", [*schedule, "train.steps=4"], cache)
-    finish(first, tmp_path / "two")
+    first = launch(2, 4, tmp_path / "two", [*fsdp, "train.steps=2"], cache)
+    full = launch(1, 8, tmp_path / "full", [*fsdp, "train.steps=4"], cache)
+    check_processes(finish(first, tmp_path / "two"), 2, 4)
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
     shutil.copytree(tmp_path / "two", tmp_path / "one_resumed")
-    (tmp_path / "one_resumed" / "metrics.jsonl").unlink()
-    (tmp_path / "two" / "metrics.jsonl").unlink()
-    resumed_two = launch(2, 4, tmp_path / "two", [*schedule, "train.steps=4"], cache)
+    for run in ("two", "one_resumed"):
+        (tmp_path / run / "metrics.jsonl").unlink()
+    resumed_two = launch(2, 4, tmp_path / "two", [*fsdp, "train.steps=4"], cache)
+    resumed_one = launch(1, 8, tmp_path / "one_resumed", ["parallel.data=2", "parallel.fsdp=-1", *schedule,
+                                                          "train.steps=4"], cache)
     check_processes(finish(resumed_two, tmp_path / "two"), 2, 4)
-    resumed_one = launch(1, 4, tmp_path / "one_resumed", [*schedule, "train.steps=4"], cache)
-    check_processes(finish(resumed_one, tmp_path / "one_resumed"), 1, 4)
+    check_processes(finish(resumed_one, tmp_path / "one_resumed"), 1, 8)
     finish(full, tmp_path / "full")
     reference = losses(tmp_path / "full")
     assert_same_losses(losses(tmp_path / "two"), reference, [3, 4])

@@ -32,6 +32,14 @@ def _state_dict(state: TrainState) -> dict:
             "opt_state": state.opt_state, "rng": state.rng}
 
 
+def _shapes(tree) -> dict:
+    """{"a/b/c": shape} of every array (or Orbax ArrayMetadata) leaf."""
+    def name(key):
+        return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {"/".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
 class Checkpointer:
     """Thin wrapper over `ocp.CheckpointManager` with items `state` (pytree) and `data` (JSON)."""
 
@@ -61,9 +69,29 @@ class Checkpointer:
         """(TrainState placed in `shardings`, iterator state) from the checkpoint at `step`."""
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               _state_dict(abstract_state), _state_dict(shardings))
+        self._check_shapes(step, target["params"])
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                       data=ocp.args.JsonRestore()))
         return TrainState(**restored["state"]), dict(restored["data"])
+
+    def _check_shapes(self, step: int, params: dict) -> None:
+        """ConfigError naming the parameters whose stored shapes differ from this run's model (Orbax's own
+        error names neither the array nor the cause). Any shape may restore into any sharding."""
+        try:
+            stored = self.manager.item_metadata(step)["state"]
+            stored = getattr(stored, "tree", stored)["params"]
+        except Exception:  # noqa: BLE001  metadata in another layout: Orbax's restore still checks
+            return
+        have, want = _shapes(stored), _shapes(params)
+        diff = [f"{k}: checkpoint {have[k]}, this run {want[k]}" for k in sorted(want)
+                if have.get(k, want[k]) != want[k]]
+        if diff:
+            from lingpack.config import ConfigError
+            raise ConfigError(
+                f"the checkpoint at step {step} in {self.directory} holds another model: {'; '.join(diff[:3])}"
+                f"{f' (and {len(diff) - 3} more)' if len(diff) > 3 else ''}. Resume with the model config it was "
+                "written with; the padded vocabulary also follows parallel.tensor (model.vocab_size_divisible_by x "
+                "tensor, as Megatron), so keep parallel.tensor or set model.vocab_size explicitly")
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

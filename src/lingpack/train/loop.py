@@ -225,8 +225,11 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 fingerprint = _fingerprint(local)
                 if context is not None and context.load_balance:  # once per batch, every array (parallel/)
                     local = reorder_batch(local, context.size)
+                batch = distributed.global_batch(local, batch_sharding, B)
+                if step == start:  # multi-process: every process compiled before any runs a collective
+                    distributed.compile_then_wait(step_fn, state, batch)
                 t0 = time.perf_counter()
-                state, metrics = step_fn(state, distributed.global_batch(local, batch_sharding, B))
+                state, metrics = step_fn(state, batch)
                 metrics = jax.device_get(metrics)  # waits for the step
                 if routing_callback is not None:
                     routing_callback(step + 1, metrics.pop("routing"))

@@ -1,5 +1,7 @@
 """Every test sees 8 fake CPU devices (set before JAX initialises) and fp32 matmuls at full precision."""
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Subprocesses (CLI tests, multi-process runs) import this checkout's package, as pytest itself does.
@@ -9,6 +11,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+# One persistent XLA compilation cache per test session, shared by both xdist workers and every subprocess:
+# a program that several tests build (the same model, step and shapes) compiles once. Made fresh per session
+# (by the controller; workers inherit it), so every `make test` compiles from scratch.
+if "LINGPACK_TEST_XLA_CACHE" not in os.environ:
+    os.environ["LINGPACK_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="lingpack-test-xla-")
+    _OWN_CACHE = True
+else:
+    _OWN_CACHE = False
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["LINGPACK_TEST_XLA_CACHE"])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")  # tiny eager ops: not worth a file
 
 import jax  # noqa: E402
 
@@ -37,3 +50,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in HEAVY_DUPLICATES:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):  # the session that made the cache removes it
+        shutil.rmtree(os.environ["LINGPACK_TEST_XLA_CACHE"], ignore_errors=True)

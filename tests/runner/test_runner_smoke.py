@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# The smallest run that shows every behaviour: 2 layers (a dense and an MoE one; ling3_tiny has 4), 2 x 64 tokens.
 FAST = ["train.log_every=1", "data.global_batch_size=2", "data.seq_length=64", "train.progress_bar=false",
-        "checkpoint.save_every=2"]
+        "checkpoint.save_every=2", "model.num_layers=2"]
 ENV = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", JAX_PLATFORMS="cpu",
            XLA_FLAGS="--xla_force_host_platform_device_count=1",
            PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))  # this tree's lingpack
@@ -42,7 +43,9 @@ def records(run_dir: Path) -> list:
 
 def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*FAST, "train.eval_every=2", "train.eval_batches=1", f"hydra.run.dir={run_dir}"]
+    args = [*FAST, "train.eval_every=2", "train.eval_batches=1", f"hydra.run.dir={run_dir}",
+            f"distributed.compilation_cache_dir={tmp_path / 'xla'}",   # the rerun loads the first try's programs
+            "distributed.compilation_cache_min_compile_s=0"]
     first = subprocess.Popen(command([*args, "train.steps=500"], tmp_path), cwd=tmp_path, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 900

@@ -1,7 +1,8 @@
 """Packing parity, the core promise: a packed batch's loss equals each document run alone.
 
 Every document of a real batch is moved to the start of its own row (padding after it, positions kept),
-the whole set runs as one batch, and the token-weighted loss is compared with the packed batch's.
+the whole set runs as one batch, and the token-weighted loss is compared with the packed batch's (both padded
+with empty rows to one shape, so one jitted forward serves both).
 Documents the kernel has no slot for (more than its max_segs in a micro-batch) are left out of both.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 
 def unpack_documents(batch: dict) -> dict:
@@ -29,14 +31,26 @@ def unpack_documents(batch: dict) -> dict:
     return out
 
 
-def token_weighted_loss(model, batch: dict) -> tuple[float, float]:
-    """(sum of masked token cross-entropies, number of loss tokens) of the main head, in fp32."""
-    out = model(jnp.asarray(batch["inputs"]), jnp.asarray(batch["inputs_segmentation"]),
-                jnp.asarray(batch["inputs_position"]))
+def pad_rows(batch: dict, rows: int) -> dict:
+    """`batch` with all-padding rows (segment 0, no loss) appended up to `rows` rows."""
+    return {k: np.pad(np.asarray(v), ((0, rows - np.asarray(v).shape[0]), (0, 0))) for k, v in batch.items()}
+
+
+@nnx.jit
+def _masked_xent(model, inputs, segmentation, position, targets, targets_segmentation):
+    out = model(inputs, segmentation, position)
     log_probs = jax.nn.log_softmax(out.logits_BTV.astype(jnp.float32), axis=-1)
-    xent = -jnp.take_along_axis(log_probs, jnp.asarray(batch["targets"])[..., None], axis=-1)[..., 0]
-    mask = jnp.asarray(batch["targets_segmentation"]) != 0
-    return float(jnp.sum(jnp.where(mask, xent, 0.0))), float(jnp.sum(mask))
+    xent = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    mask = targets_segmentation != 0
+    return jnp.sum(jnp.where(mask, xent, 0.0)), jnp.sum(mask)
+
+
+def token_weighted_loss(model, batch: dict) -> tuple[float, float]:
+    """(sum of masked token cross-entropies, number of loss tokens) of the main head, in fp32 (one jitted
+    forward per batch shape)."""
+    keys = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation")
+    total, count = _masked_xent(model, *(jnp.asarray(batch[k]) for k in keys))
+    return float(total), float(count)
 
 
 def packing_parity(model, batch: dict, *, micro_batches: int = 1) -> dict:
@@ -52,14 +66,15 @@ def packing_parity(model, batch: dict, *, micro_batches: int = 1) -> dict:
         raise ValueError(f"a batch of {B} rows does not split into micro_batches={micro_batches}")
     micro = {k: jnp.asarray(v).reshape(micro_batches, B // micro_batches, -1) for k, v in batch.items()}
     kept, dropped = drop_overflow(micro, kernel_max_segs(getattr(model, "cfg", None)))
+    micro_kept = [{k: np.asarray(v[m]) for k, v in kept.items()} for m in range(micro_batches)]
+    micro_alone = [unpack_documents(mb) for mb in micro_kept]
+    rows = max(B // micro_batches, *(a["inputs"].shape[0] for a in micro_alone))  # one shape: one compile
     packed_sum = packed_count = alone_sum = alone_count = 0.0
     documents = 0
-    for m in range(micro_batches):
-        mb = {k: np.asarray(v[m]) for k, v in kept.items()}
-        alone_batch = unpack_documents(mb)
-        s, c = token_weighted_loss(model, mb)
+    for mb, alone_batch in zip(micro_kept, micro_alone):
+        s, c = token_weighted_loss(model, pad_rows(mb, rows))
         packed_sum, packed_count = packed_sum + s, packed_count + c
-        s, c = token_weighted_loss(model, alone_batch)
+        s, c = token_weighted_loss(model, pad_rows(alone_batch, rows))
         alone_sum, alone_count = alone_sum + s, alone_count + c
         documents += alone_batch["inputs"].shape[0]
     if packed_count != alone_count:

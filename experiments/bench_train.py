@@ -20,6 +20,7 @@ AdamW, expert-bias update) on one synthetic packed batch (log-normal document le
 * `--attention-ab T`: one MLA mixer at [1, T] packed with many documents, dense attention against
   tile-skipping flash, interleaved, with flash's computed / total tiles.
 * `--hlo-ops`: operations in the lowered step, scanned and unrolled: what XLA must compile, free of load.
+* `--compile-parts`: per component, its fwd+bwd's StableHLO ops and the CPU seconds of lowering and compiling.
 Every number is a ratio or a time within this run on this machine; absolute times depend on the load.
 """
 
@@ -29,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -259,6 +261,22 @@ def hlo_ops(cfg, B: int, T: int) -> int:
     return sum(" = " in line for line in text.splitlines())
 
 
+def compile_parts(cfg, B: int, T: int) -> list:
+    """Compile cost of each component's forward+backward alone: StableHLO ops and process CPU seconds of
+    lowering and of XLA's compile (CPU time, so other jobs on the machine barely move it)."""
+    cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # user + system seconds of this process
+    rows = []
+    for name, (fn, args, count) in components(cfg, B, T).items():
+        start = cpu()
+        lowered = fn.lower(*args)
+        ops = sum(" = " in line for line in lowered.as_text().splitlines())
+        lowered_at = cpu()
+        lowered.compile()
+        rows.append({"component": name, "calls": count, "stablehlo_ops": ops,
+                     "lower_cpu_s": lowered_at - start, "compile_cpu_s": cpu() - lowered_at})
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 repeats, no breakdown")
@@ -269,6 +287,8 @@ def main():
     parser.add_argument("--moe-ab", action="store_true", help="only the MoE grouped-matmul A/B per model")
     parser.add_argument("--attention-ab", type=int, default=0, metavar="T",
                         help="only the MLA attention A/B (dense vs tile-skipping flash) at [1, T], median document T/16")
+    parser.add_argument("--compile-parts", action="store_true",
+                        help="only the compile cost (ops, CPU seconds) of each component's fwd+bwd alone")
     parser.add_argument("--hlo-ops", action="store_true", help="only count the lowered step's ops, scanned and unrolled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -284,6 +304,13 @@ def main():
             result["models"][name] = row = {scan: hlo_ops(dataclasses.replace(cfg, scan_layers=scan), B, T)
                                             for scan in (True, False)}
             print(f"{name:8s} lowered step ops: scanned {row[True]}, unrolled {row[False]}", flush=True)
+            out.write_text(json.dumps(result, indent=2))
+            continue
+        if args.compile_parts:
+            result["models"][name] = rows = compile_parts(cfg, B, T)
+            for r in rows:
+                print(f"{name:8s} {r['component']:34s} x{r['calls']:2d} {r['stablehlo_ops']:6d} ops | lower"
+                      f" {r['lower_cpu_s']:5.1f} s | compile {r['compile_cpu_s']:5.1f} s CPU", flush=True)
             out.write_text(json.dumps(result, indent=2))
             continue
         if args.attention_ab:

@@ -10,6 +10,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+
+from tests.subprocess_env import xla_flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lingpack import config as config_lib
@@ -125,7 +127,7 @@ def test_pipeline_reads_exactly_the_given_rows(tmp_path):
 
 def test_run_py_unreachable_coordinator_exits_with_one_line(tmp_path):
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1),
                PYTHONPATH=str(ROOT / "src"))  # this checkout's lingpack, whatever the venv has installed
     args = [sys.executable, str(ROOT / "run.py"), f"distributed.coordinator_address=127.0.0.1:{port}",
             "distributed.num_processes=2", "distributed.process_id=1", "distributed.initialization_timeout_s=2",

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.subprocess_env import xla_flags
+
 WORKER = Path(__file__).with_name("mp_worker.py")
 TINY = ["data.seq_length=64", "data.global_batch_size=8", "parallel=data", "logger=none",
         "train.progress_bar=false", "train.log_every=1", "checkpoint.save_every=100", "train.eval_every=0"]
@@ -31,7 +33,7 @@ def launch(num_processes: int, devices: int, run_dir: Path, overrides: list[str]
     port = free_port()
     procs = []
     for pid in range(num_processes):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices),
                    PYTHONUNBUFFERED="1")
         for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
             env.pop(key, None)

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.subprocess_env import xla_flags
+
 ROOT = Path(__file__).resolve().parents[2]
 # The smallest run that shows every behaviour: 2 layers (a dense and an MoE one; ling3_tiny has 4), 2 x 64 tokens.
 FAST = ["train.log_every=1", "data.global_batch_size=2", "data.seq_length=64", "train.progress_bar=false",
         "checkpoint.save_every=2", "model.num_layers=2"]
 ENV = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", JAX_PLATFORMS="cpu",
-           XLA_FLAGS="--xla_force_host_platform_device_count=1",
+           XLA_FLAGS=xla_flags(1),
            PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))  # this tree's lingpack
 
 

@@ -43,10 +43,6 @@ HEAVY_DUPLICATES = {
         "the harness end to end: tests/parity/test_parity_routing.py (10 locked steps, clean run <= 1e-5)",
     "tests/train/test_train_ling3.py::test_ling3_trains_on_bundled_corpus_and_checkpoints":
         "bundled corpus + checkpoints: the run.py SIGTERM/resume smoke",
-    "tests/kernels/test_kda.py::test_packing_invariance[chunked_aligned]":
-        "aligned packing: tests/models/test_ling3.py packed == per document with chunked_aligned",
-    "tests/kernels/test_kda.py::test_other_documents_get_exactly_zero_gradient[False-chunked_aligned]":
-        "the same property for chunked; aligned leaks are caught by the per-document oracle tests",
     "tests/models/test_ling3.py::test_packed_equals_per_document[reference-splash]":
         "splash itself: tests/kernels/test_attention.py; model packing: the other pairings",
 }

@@ -24,58 +24,69 @@ import jax.numpy as jnp
 from lingpack.kernels.kda import segments
 from lingpack.kernels.kda.gate import SUB_CHUNK, check_chunk_size  # decays factored per sub-chunk
 
+ANY_GATE_BASE = 4  # smallest blocks of the any-gate decay products, whose pairs are formed explicitly
+
 
 def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
     """A_qk[c,i] = sum_d q_cd k_id exp(G_cd - G_id) (i <= c) and A_kk (same with k, i < c), both zero unless c
-    and i share a segment; fp32 [.., C, C]. G is the segment-local cumsum, so G_c - G_i <= 0 for every kept pair.
+    and i share a segment; fp32, returned stacked as [.., C, 2, C] (qk, kk). G is the segment-local cumsum, so
+    G_c - G_i <= 0 for every kept pair.
 
-    exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so for i in sub-chunk j and c after it the
-    pair is split at r = the last token of sub-chunk j: exp(G_c - G_r) exp(G_r - G_i), both <= 1, one matmul
-    per column block (a pair can only be kept if r shares its segment, so other factors are zeroed). Inside a
-    sub-chunk, with `safe_gate` (every g >= -5, Ling3's lower-bound gate) the split is at each token's
-    segment start within the sub-chunk, costing a factor of at most exp(5 * 15), far below fp32's exp(88);
-    without it the pairs are formed explicitly. Every exponent is masked BEFORE exp (NaN-free gradients).
+    exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so the chunk is split in halves recursively: the
+    lower-left quarter of a block (rows in its 2nd half, columns in its 1st) is split at r = the block's middle
+    row, exp(G_c - G_r) exp(G_r - G_i), both <= 1 for any gate: one batched matmul per level (a pair can only be
+    kept if r shares its segment, so other factors are zeroed). Base blocks of `base` tokens: with `safe_gate`
+    (every g >= -5) split at each token's segment start inside the block (a factor <= exp(5 * 15), far below
+    fp32's exp(88)); without it the pairs are formed explicitly. Exponents are masked BEFORE exp (NaN-free
+    gradients). q and k rows are interleaved so each level is one matmul for both products.
     """
-    *lead, C, K = q_NCK.shape
-    nb = C // sub
-    blocks = lambda a: a.reshape(*a.shape[:-2], nb, sub, a.shape[-1])
-    q_b, k_b, G_b = blocks(q_NCK), blocks(k_NCK), blocks(G_NCK)
-    seg_b = seg_NC.reshape(*seg_NC.shape[:-1], nb, sub)
+    *outer, C, K = q_NCK.shape
+    # one batch axis: XLA:CPU's YNN transposes segfault on arrays of more than 8 dimensions (jaxlib 0.10.2)
+    q_NCK, k_NCK, G_NCK = [a.reshape(-1, C, K) for a in (q_NCK, k_NCK, G_NCK)]
+    seg_NC = jnp.broadcast_to(seg_NC, (*outer, C)).reshape(-1, C)
+    lead = q_NCK.shape[:1]
+    base = sub if safe_gate else min(ANY_GATE_BASE, sub)
+    size = base * 2 ** max(0, (C // base - 1).bit_length())     # halvable size >= C; pad rows/cols are masked
+    if size != C:
+        pad = lambda a, value=0: jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, size - C), (0, 0)], constant_values=value)
+        q_NCK, k_NCK, G_NCK = pad(q_NCK), pad(k_NCK), pad(G_NCK)
+        seg_NC = jnp.pad(seg_NC, [(0, 0)] * (seg_NC.ndim - 1) + [(0, size - C)], constant_values=-1)  # ids are >= 0
+    nb = size // base
+    q_b, k_b, G_b = [a.reshape(*lead, nb, base, a.shape[-1]) for a in (q_NCK, k_NCK, G_NCK)]
+    seg_b = seg_NC.reshape(*seg_NC.shape[:-1], nb, base)
     same_b = seg_b[..., :, None] == seg_b[..., None, :]
-    incl = jnp.tril(jnp.ones((sub, sub), bool)) & same_b
-    strict = jnp.tril(jnp.ones((sub, sub), bool), -1) & same_b
+    incl = jnp.tril(jnp.ones((base, base), bool)) & same_b
+    strict = jnp.tril(jnp.ones((base, base), bool), -1) & same_b
+    mask = jnp.stack([incl, strict], axis=-2)                            # [.., nb, base, 2, base]
     if safe_gate:
         starts = jnp.concatenate([jnp.ones_like(seg_b[..., :1], bool), seg_b[..., 1:] != seg_b[..., :-1]], -1)
-        ref = jax.lax.cummax(jnp.where(starts, jnp.arange(sub), 0), axis=seg_b.ndim - 1)  # segment start in block
-        pick = (ref[..., :, None] == jnp.arange(sub)).astype(jnp.float32)
+        ref = jax.lax.cummax(jnp.where(starts, jnp.arange(base), 0), axis=seg_b.ndim - 1)  # segment start in block
+        pick = (ref[..., :, None] == jnp.arange(base)).astype(jnp.float32)
         G_ref = jnp.einsum("...tr,...rk->...tk", pick, G_b, precision="highest")  # one-hot gather, exact
-        k_neg_t = jnp.swapaxes(k_b * jnp.exp(G_ref - G_b), -1, -2)     # exponent in [0, 75]
         pos = jnp.exp(G_b - G_ref)                                       # exponent <= 0
-        diag_qk = jnp.where(incl, (q_b * pos) @ k_neg_t, 0.0)
-        diag_kk = jnp.where(strict, (k_b * pos) @ k_neg_t, 0.0)
+        A = jnp.einsum("...cxk,...ik->...cxi", jnp.stack([q_b * pos, k_b * pos], -2),
+                       k_b * jnp.exp(G_ref - G_b))                       # exponent in [0, 75]
     else:
         decay = jnp.exp(jnp.where(incl[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0))
-        diag_qk = jnp.einsum("...ck,...cik,...ik->...ci", q_b, decay, k_b) * incl
-        diag_kk = jnp.einsum("...ck,...cik,...ik->...ci", k_b, decay, k_b) * strict
-
-    cols_qk, cols_kk = [], []
-    for j in range(nb):
-        above = [jnp.zeros((*lead, j * sub, sub), jnp.float32)] if j else []
-        col_qk, col_kk = above + [diag_qk[..., j, :, :]], above + [diag_kk[..., j, :, :]]
-        if j < nb - 1:
-            r = (j + 1) * sub - 1
-            G_ref, rows = G_NCK[..., r:r + 1, :], slice(r + 1, None)
-            row_ok = (seg_NC[..., rows] == seg_NC[..., r:r + 1])[..., None]
-            col_ok = (seg_b[..., j, :] == seg_NC[..., r:r + 1])[..., None]
-            # exp(-inf) = 0 drops other segments' factors; its derivative is 0 too, so gradients stay finite
-            row_decay = jnp.exp(jnp.where(row_ok, G_NCK[..., rows, :] - G_ref, -jnp.inf))
-            col_decay = jnp.exp(jnp.where(col_ok, G_ref - G_b[..., j, :, :], -jnp.inf))
-            k_neg_t = jnp.swapaxes(k_b[..., j, :, :] * col_decay, -1, -2)
-            col_qk.append((q_NCK[..., rows, :] * row_decay) @ k_neg_t)
-            col_kk.append((k_NCK[..., rows, :] * row_decay) @ k_neg_t)
-        cols_qk.append(jnp.concatenate(col_qk, axis=-2))
-        cols_kk.append(jnp.concatenate(col_kk, axis=-2))
-    return jnp.concatenate(cols_qk, axis=-1), jnp.concatenate(cols_kk, axis=-1)
+        kd = decay * k_b[..., None, :, :]
+        A = jnp.stack([jnp.einsum("...ck,...cik->...ci", x, kd) for x in (q_b, k_b)], -2)
+    A = jnp.where(mask, A, 0.0)                                          # [.., n, s, 2, s]
+    s = base
+    while s < size:
+        m = size // (2 * s)
+        q2, k2, G2 = [a.reshape(*lead, m, 2, s, a.shape[-1]) for a in (q_NCK, k_NCK, G_NCK)]
+        seg2 = seg_NC.reshape(*seg_NC.shape[:-1], m, 2, s)
+        G_r, seg_r = G2[..., 1, :1, :], seg2[..., 1, :1]                 # the 2nd half's first row
+        # exp(-inf) = 0 drops other segments' factors; its derivative is 0 too, so gradients stay finite
+        row_decay = jnp.exp(jnp.where((seg2[..., 1, :] == seg_r)[..., None], G2[..., 1, :, :] - G_r, -jnp.inf))
+        col_decay = jnp.exp(jnp.where((seg2[..., 0, :] == seg_r)[..., None], G_r - G2[..., 0, :, :], -jnp.inf))
+        rows = jnp.stack([q2[..., 1, :, :] * row_decay, k2[..., 1, :, :] * row_decay], -2)
+        quarter = jnp.einsum("...cxk,...ik->...cxi", rows, k2[..., 0, :, :] * col_decay)  # [.., m, s, 2, s]
+        A2 = A.reshape(*lead, m, 2, s, 2, s)
+        top = jnp.concatenate([A2[..., 0, :, :, :], jnp.zeros_like(quarter)], axis=-1)
+        bottom = jnp.concatenate([quarter, A2[..., 1, :, :, :]], axis=-1)
+        A, s = jnp.concatenate([top, bottom], axis=-3), 2 * s
+    return A.reshape(*outer, size, 2, size)[..., :C, :, :C]
 
 
 def _base_inverse(L_bb):
@@ -138,7 +149,8 @@ def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
         same = seg_C[..., :, None] == seg_C[..., None, :]
         prefix = (same & jnp.tril(jnp.ones((C, C), bool))).astype(jnp.float32)
         G = jnp.einsum("...ci,...ik->...ck", prefix, g, precision="highest")
-    A_qk, A_kk = _decay_products(q, k, G, seg_C, sub=sub, safe_gate=safe_gate)
+    A = _decay_products(q, k, G, seg_C, sub=sub, safe_gate=safe_gate)
+    A_qk, A_kk = A[..., :, 0, :], A[..., :, 1, :]
     lower = beta[..., :, None] * A_kk
     # Tm = (I + L)^-1 Diag(beta), L strictly lower (block-diagonal per segment).
     t_mat = unit_lower_inverse(lower) * beta[..., None, :]

@@ -13,7 +13,8 @@ Per chunk of C tokens, with G the cumsum of g within the chunk and the token's s
   `segments.aligned_length` tokens, reset the state at chunks that start a segment, gather back.
 
 Padding tokens and alignment filler are no-ops (k = v = g = beta = 0), so they never touch the state.
-Gradients come from autodiff of this code (the triangular inverse has its own closed-form VJP).
+Gradients come from autodiff of this code, except two closed-form VJPs: the triangular inverse, and the
+inter-chunk recurrence (`chunk_states`: only the transposed recurrence runs in a loop).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ ANY_GATE_BASE = 4  # smallest blocks of the any-gate decay products, whose pairs
 
 def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
     """A_qk[c,i] = sum_d q_cd k_id exp(G_cd - G_id) (i <= c) and A_kk (same with k, i < c), both zero unless c
-    and i share a segment; fp32, returned stacked as [.., C, 2, C] (qk, kk); C need not be a power of 2 (padded). G is the segment-local cumsum, so
-    G_c - G_i <= 0 for every kept pair.
+    and i share a segment; fp32, returned stacked as [.., C, 2, C] (qk, kk); C need not be a power of 2
+    (padded inside). G is the segment-local cumsum, so G_c - G_i <= 0 for every kept pair.
 
     exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so the chunk is split in halves recursively: the
     lower-left quarter of a block (rows in its 2nd half, columns in its 1st) is split at r = the block's middle
@@ -41,7 +42,7 @@ def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
     gradients). q and k rows are interleaved so each level is one matmul for both products.
     """
     *outer, C, K = q_NCK.shape
-    # one batch axis: XLA:CPU's YNN transposes segfault on arrays of more than 8 dimensions (jaxlib 0.10.2)
+    # one batch axis: a YNN fused transpose of XLA:CPU segfaulted on the 8-9-dim arrays of [B, N, H] (jaxlib 0.10.2)
     q_NCK, k_NCK, G_NCK = [a.reshape(-1, C, K) for a in (q_NCK, k_NCK, G_NCK)]
     seg_NC = jnp.broadcast_to(seg_NC, (*outer, C)).reshape(-1, C)
     P = q_NCK.shape[0]
@@ -163,7 +164,7 @@ def _chunk_states_bwd(res, cts):
                                               (idx, r, w, k, decay, dS_in_ext, dv_ext), reverse=True)
     dw = -(dv @ jnp.swapaxes(S_in, -1, -2))
     dk = v @ jnp.swapaxes(dS_out, -1, -2)
-    d_decay = jnp.einsum("...kv,...kv->...k", S_in, dS_out)  # XLA:CPU's fused multiply-reduce is ~25x slower
+    d_decay = jnp.einsum("...kv,...kv->...k", S_in, dS_out)  # XLA:CPU's fused multiply-reduce is ~20x slower
     return d_table, None, None, dv, dw, dk, d_decay
 
 

@@ -66,10 +66,10 @@ def main():
     major = lambda a: jnp.moveaxis(a, 1, 0)
 
     def inter(u, w, k_out, decay_last, q_decay, a_qk):  # the scan and the batched outputs, as in the kernel
-        def step(S, x):
-            v_new = x[0] - x[1] @ S
-            return x[3][..., None] * S + jnp.swapaxes(x[2], -1, -2) @ v_new, (S, v_new)
-        _, (states, v_new) = jax.lax.scan(step, jnp.zeros((B, H, K, V)), (u, w, k_out, decay_last))
+        table = jnp.zeros((B + 1, H, K, V))
+        idx = jnp.full((N, B), B, jnp.int32).at[0].set(jnp.arange(B))
+        r = jnp.broadcast_to((jnp.arange(N) > 0)[:, None], (N, B)).astype(jnp.float32)
+        states, v_new, _ = ch.chunk_states(table, idx, r, u, w, k_out, decay_last)
         return q_decay @ states + a_qk @ v_new
 
     whole = lambda safe: lambda q, k, v, g, b: ch.chunked_segment_native(

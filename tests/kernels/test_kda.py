@@ -82,6 +82,21 @@ def test_strong_decay_is_finite(naive, safe_gate):
         np.testing.assert_allclose(np.asarray(s), s_ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("safe_gate", [False, True])
+@pytest.mark.parametrize("impl", CHUNKED_IMPLS)
+def test_chunk_size_not_a_power_of_two_matches_fla(naive, impl, safe_gate):
+    """48 = 3 x 16 is a valid chunk size: the halving splits pad it internally (main crashed here once)."""
+    rng = np.random.default_rng(5)
+    q, k, v, g, beta = make_inputs(rng, B, T, H, K, V)
+    g = np.maximum(g, -5.0) if safe_gate else g
+    seg = segments_from_lengths(LAYOUTS["two_rows_padding_len1"], T)
+    o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg)
+    o, s = api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=48, max_segs=MAX_SEGS,
+                         output_final_state=True, safe_gate=safe_gate)
+    np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(s), s_ref, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("impl", CHUNKED_IMPLS)
 def test_gradients_match_reference_fp32(impl):
     rng = np.random.default_rng(2)

@@ -13,7 +13,8 @@ Per chunk of C tokens, with G the cumsum of g within the chunk and the token's s
   `segments.aligned_length` tokens, reset the state at chunks that start a segment, gather back.
 
 Padding tokens and alignment filler are no-ops (k = v = g = beta = 0), so they never touch the state.
-Gradients come from autodiff of this code (the triangular inverse has its own closed-form VJP).
+Gradients come from autodiff of this code, except two closed-form VJPs: the triangular inverse, and the
+inter-chunk recurrence (`chunk_states`: only the transposed recurrence runs in a loop).
 """
 
 from __future__ import annotations
@@ -24,89 +25,91 @@ import jax.numpy as jnp
 from lingpack.kernels.kda import segments
 from lingpack.kernels.kda.gate import SUB_CHUNK, check_chunk_size  # decays factored per sub-chunk
 
+ANY_GATE_BASE = 4  # smallest blocks of the any-gate decay products, whose pairs are formed explicitly
+
 
 def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
     """A_qk[c,i] = sum_d q_cd k_id exp(G_cd - G_id) (i <= c) and A_kk (same with k, i < c), both zero unless c
-    and i share a segment; fp32 [.., C, C]. G is the segment-local cumsum, so G_c - G_i <= 0 for every kept pair.
+    and i share a segment; fp32, returned stacked as [.., C, 2, C] (qk, kk); C need not be a power of 2
+    (padded inside). G is the segment-local cumsum, so G_c - G_i <= 0 for every kept pair.
 
-    exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so for i in sub-chunk j and c after it the
-    pair is split at r = the last token of sub-chunk j: exp(G_c - G_r) exp(G_r - G_i), both <= 1, one matmul
-    per column block (a pair can only be kept if r shares its segment, so other factors are zeroed). Inside a
-    sub-chunk, with `safe_gate` (every g >= -5, Ling3's lower-bound gate) the split is at each token's
-    segment start within the sub-chunk, costing a factor of at most exp(5 * 15), far below fp32's exp(88);
-    without it the pairs are formed explicitly. Every exponent is masked BEFORE exp (NaN-free gradients).
+    exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so the chunk is split in halves recursively: the
+    lower-left quarter of a block (rows in its 2nd half, columns in its 1st) is split at r = the block's middle
+    row, exp(G_c - G_r) exp(G_r - G_i), both <= 1 for any gate: one batched matmul per level (a pair can only be
+    kept if r shares its segment, so other factors are zeroed). Base blocks of `base` tokens: with `safe_gate`
+    (every g >= -5) split at each token's segment start inside the block (a factor <= exp(5 * 15), far below
+    fp32's exp(88)); without it the pairs are formed explicitly. Exponents are masked BEFORE exp (NaN-free
+    gradients). q and k rows are interleaved so each level is one matmul for both products.
     """
-    *lead, C, K = q_NCK.shape
-    nb = C // sub
-    blocks = lambda a: a.reshape(*a.shape[:-2], nb, sub, a.shape[-1])
-    q_b, k_b, G_b = blocks(q_NCK), blocks(k_NCK), blocks(G_NCK)
-    seg_b = seg_NC.reshape(*seg_NC.shape[:-1], nb, sub)
+    *outer, C, K = q_NCK.shape
+    # one batch axis: a YNN fused transpose of XLA:CPU segfaulted on the 8-9-dim arrays of [B, N, H] (jaxlib 0.10.2)
+    q_NCK, k_NCK, G_NCK = [a.reshape(-1, C, K) for a in (q_NCK, k_NCK, G_NCK)]
+    seg_NC = jnp.broadcast_to(seg_NC, (*outer, C)).reshape(-1, C)
+    P = q_NCK.shape[0]
+    base = sub if safe_gate else min(ANY_GATE_BASE, sub)
+    size = base * 2 ** max(0, (C // base - 1).bit_length())     # halvable size >= C; pad rows/cols are masked
+    if size != C:
+        q_NCK, k_NCK, G_NCK = [jnp.pad(a, [(0, 0), (0, size - C), (0, 0)]) for a in (q_NCK, k_NCK, G_NCK)]
+        seg_NC = jnp.pad(seg_NC, [(0, 0), (0, size - C)], constant_values=-1)  # ids are >= 0: padding pairs masked
+    nb = size // base
+    q_b, k_b, G_b = [a.reshape(P, nb, base, a.shape[-1]) for a in (q_NCK, k_NCK, G_NCK)]
+    seg_b = seg_NC.reshape(P, nb, base)
     same_b = seg_b[..., :, None] == seg_b[..., None, :]
-    incl = jnp.tril(jnp.ones((sub, sub), bool)) & same_b
-    strict = jnp.tril(jnp.ones((sub, sub), bool), -1) & same_b
+    incl = jnp.tril(jnp.ones((base, base), bool)) & same_b
+    strict = jnp.tril(jnp.ones((base, base), bool), -1) & same_b
+    mask = jnp.stack([incl, strict], axis=-2)                            # [.., nb, base, 2, base]
     if safe_gate:
         starts = jnp.concatenate([jnp.ones_like(seg_b[..., :1], bool), seg_b[..., 1:] != seg_b[..., :-1]], -1)
-        ref = jax.lax.cummax(jnp.where(starts, jnp.arange(sub), 0), axis=seg_b.ndim - 1)  # segment start in block
-        pick = (ref[..., :, None] == jnp.arange(sub)).astype(jnp.float32)
+        ref = jax.lax.cummax(jnp.where(starts, jnp.arange(base), 0), axis=seg_b.ndim - 1)  # segment start in block
+        pick = (ref[..., :, None] == jnp.arange(base)).astype(jnp.float32)
         G_ref = jnp.einsum("...tr,...rk->...tk", pick, G_b, precision="highest")  # one-hot gather, exact
-        k_neg_t = jnp.swapaxes(k_b * jnp.exp(G_ref - G_b), -1, -2)     # exponent in [0, 75]
         pos = jnp.exp(G_b - G_ref)                                       # exponent <= 0
-        diag_qk = jnp.where(incl, (q_b * pos) @ k_neg_t, 0.0)
-        diag_kk = jnp.where(strict, (k_b * pos) @ k_neg_t, 0.0)
+        A = jnp.einsum("...cxk,...ik->...cxi", jnp.stack([q_b * pos, k_b * pos], -2),
+                       k_b * jnp.exp(G_ref - G_b))                       # exponent in [0, 75]
     else:
         decay = jnp.exp(jnp.where(incl[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0))
-        diag_qk = jnp.einsum("...ck,...cik,...ik->...ci", q_b, decay, k_b) * incl
-        diag_kk = jnp.einsum("...ck,...cik,...ik->...ci", k_b, decay, k_b) * strict
-
-    cols_qk, cols_kk = [], []
-    for j in range(nb):
-        above = [jnp.zeros((*lead, j * sub, sub), jnp.float32)] if j else []
-        col_qk, col_kk = above + [diag_qk[..., j, :, :]], above + [diag_kk[..., j, :, :]]
-        if j < nb - 1:
-            r = (j + 1) * sub - 1
-            G_ref, rows = G_NCK[..., r:r + 1, :], slice(r + 1, None)
-            row_ok = (seg_NC[..., rows] == seg_NC[..., r:r + 1])[..., None]
-            col_ok = (seg_b[..., j, :] == seg_NC[..., r:r + 1])[..., None]
-            # exp(-inf) = 0 drops other segments' factors; its derivative is 0 too, so gradients stay finite
-            row_decay = jnp.exp(jnp.where(row_ok, G_NCK[..., rows, :] - G_ref, -jnp.inf))
-            col_decay = jnp.exp(jnp.where(col_ok, G_ref - G_b[..., j, :, :], -jnp.inf))
-            k_neg_t = jnp.swapaxes(k_b[..., j, :, :] * col_decay, -1, -2)
-            col_qk.append((q_NCK[..., rows, :] * row_decay) @ k_neg_t)
-            col_kk.append((k_NCK[..., rows, :] * row_decay) @ k_neg_t)
-        cols_qk.append(jnp.concatenate(col_qk, axis=-2))
-        cols_kk.append(jnp.concatenate(col_kk, axis=-2))
-    return jnp.concatenate(cols_qk, axis=-1), jnp.concatenate(cols_kk, axis=-1)
-
-
-def _base_inverse(L_bb):
-    """(I + L)^-1 for strictly lower L by forward substitution, one row per step (b steps)."""
-    b = L_bb.shape[-1]
-    X = jnp.broadcast_to(jnp.eye(b, dtype=L_bb.dtype), L_bb.shape)
-    for i in range(1, b):
-        X = X.at[..., i, :].add(-jnp.einsum("...j,...jc->...c", L_bb[..., i, :], X))
-    return X
+        kd = decay * k_b[..., None, :, :]
+        A = jnp.stack([jnp.einsum("...ck,...cik->...ci", x, kd) for x in (q_b, k_b)], -2)
+    A = jnp.where(mask, A, 0.0)                                          # [.., n, s, 2, s]
+    s = base
+    while s < size:
+        m = size // (2 * s)
+        q2, k2, G2 = [a.reshape(P, m, 2, s, a.shape[-1]) for a in (q_NCK, k_NCK, G_NCK)]
+        seg2 = seg_NC.reshape(P, m, 2, s)
+        G_r, seg_r = G2[..., 1, :1, :], seg2[..., 1, :1]                 # the 2nd half's first row
+        # exp(-inf) = 0 drops other segments' factors; its derivative is 0 too, so gradients stay finite
+        row_decay = jnp.exp(jnp.where((seg2[..., 1, :] == seg_r)[..., None], G2[..., 1, :, :] - G_r, -jnp.inf))
+        col_decay = jnp.exp(jnp.where((seg2[..., 0, :] == seg_r)[..., None], G_r - G2[..., 0, :, :], -jnp.inf))
+        rows = jnp.stack([q2[..., 1, :, :] * row_decay, k2[..., 1, :, :] * row_decay], -2)
+        quarter = jnp.einsum("...cxk,...ik->...cxi", rows, k2[..., 0, :, :] * col_decay)  # [.., m, s, 2, s]
+        A2 = A.reshape(P, m, 2, s, 2, s)
+        top = jnp.concatenate([A2[..., 0, :, :, :], jnp.zeros_like(quarter)], axis=-1)
+        bottom = jnp.concatenate([quarter, A2[..., 1, :, :, :]], axis=-1)
+        A, s = jnp.concatenate([top, bottom], axis=-3), 2 * s
+    return A.reshape(*outer, size, 2, size)[..., :C, :, :C]
 
 
 @jax.custom_vjp
 def unit_lower_inverse(L_CC):
-    """(I + L)^-1 for strictly lower L: 16x16 diagonal blocks by substitution, merged pairwise with
-    [[A,0],[B,D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]] (matmuls; XLA's batched triangular solve is
-    ~70x slower on CPU). Substitution, unlike a Neumann product, stays exact when keys repeat."""
+    """(I + L)^-1 for strictly lower L by recursive doubling from 1x1 blocks, every block of a level in one
+    batched matmul: [[A,0],[B,D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]] (XLA's batched triangular solve is
+    ~70x slower on CPU). Exact block algebra, unlike a Neumann product, so it stays exact when keys repeat."""
     *lead, C, _ = L_CC.shape
-    base = min(SUB_CHUNK, C)
-    nb = C // base
-    L_blocks = L_CC.reshape(*lead, nb, base, nb, base)
-    blocks = list(jnp.moveaxis(_base_inverse(jnp.stack([L_blocks[..., j, :, j, :] for j in range(nb)], -3)), -3, 0))
-    size = base
-    while len(blocks) > 1:
-        merged = []
-        for p in range(0, len(blocks), 2):
-            r0 = p * size
-            lower = -blocks[p + 1] @ L_CC[..., r0 + size:r0 + 2 * size, r0:r0 + size] @ blocks[p]
-            top = jnp.concatenate([blocks[p], jnp.zeros_like(blocks[p])], -1)
-            merged.append(jnp.concatenate([top, jnp.concatenate([lower, blocks[p + 1]], -1)], -2))
-        blocks, size = merged, size * 2
-    return blocks[0]
+    size = 1 << (C - 1).bit_length()                      # zero padding: I + 0 inverts to I
+    diag = jnp.pad(L_CC.reshape(-1, C, C), [(0, 0), (0, size - C), (0, size - C)])[:, None]
+    quarters = []                                         # lower-left quarters of the diagonal blocks, per level
+    while diag.shape[-1] > 1:
+        P, n, s = diag.shape[0], diag.shape[1], diag.shape[-1] // 2
+        q4 = diag.reshape(P, n, 2, s, 2, s)
+        quarters.append(q4[:, :, 1, :, 0, :])
+        diag = jnp.stack([q4[:, :, 0, :, 0, :], q4[:, :, 1, :, 1, :]], axis=2).reshape(P, 2 * n, s, s)
+    X = jnp.ones_like(diag)                               # inverses of the 1x1 diagonal blocks
+    for B in reversed(quarters):
+        P, n, s = X.shape[0], X.shape[1] // 2, X.shape[-1]
+        A_inv, D_inv = X.reshape(P, n, 2, s, s)[:, :, 0], X.reshape(P, n, 2, s, s)[:, :, 1]
+        top = jnp.concatenate([A_inv, jnp.zeros_like(A_inv)], -1)
+        X = jnp.concatenate([top, jnp.concatenate([-(D_inv @ B @ A_inv), D_inv], -1)], -2)
+    return X[:, 0, :C, :C].reshape(*lead, C, C)
 
 
 def _inverse_fwd(L_CC):
@@ -123,6 +126,51 @@ def _inverse_bwd(X_CC, dX_CC):
 unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 
+@jax.custom_vjp
+def chunk_states(table_RHKV, idx_NL, r_NL, u_NLHCV, w_NLHCK, k_NLHCK, decay_NLHK):
+    """The inter-chunk recurrence over N chunks of L independent lanes (the only sequential part):
+        S_in[n] = r[n] S_out[n-1] + table[idx[n]];   v[n] = u[n] - w[n] S_in[n];
+        S_out[n] = decay[n] S_in[n] + k[n]^T v[n]            (S_out[-1] = 0; r is 0/1)
+    Returns S_in [N, L, H, K, V], v [N, L, H, C, V] and S_out[N - 1]. Its VJP runs only the transposed
+    recurrence in the loop (2 matmuls a step) and forms the weight gradients outside as batched matmuls.
+    """
+    return _chunk_states_fwd(table_RHKV, idx_NL, r_NL, u_NLHCV, w_NLHCK, k_NLHCK, decay_NLHK)[0]
+
+
+def _chunk_states_fwd(table, idx, r, u, w, k, decay):
+    def step(S_LHKV, x):
+        idx_L, r_L, u_n, w_n, k_n, d_n = x
+        S_in = r_L[:, None, None, None] * S_LHKV + table[idx_L]
+        v_n = u_n - w_n @ S_in
+        return d_n[..., None] * S_in + jnp.swapaxes(k_n, -1, -2) @ v_n, (S_in, v_n)
+
+    S0 = jnp.zeros((idx.shape[1], *table.shape[1:]), table.dtype)
+    S_last, (S_in, v) = jax.lax.scan(step, S0, (idx, r, u, w, k, decay))
+    return (S_in, v, S_last), (table, idx, r, w, k, decay, S_in, v)
+
+
+def _chunk_states_bwd(res, cts):
+    table, idx, r, w, k, decay, S_in, v = res
+    dS_in_ext, dv_ext, dS_last = cts
+
+    def step(carry, x):
+        dS_out, d_table = carry                              # dS_out: gradient of S_out[n]
+        idx_L, r_L, w_n, k_n, d_n, dS_in_n, dv_n = x
+        dv = dv_n + k_n @ dS_out
+        dS_in = d_n[..., None] * dS_out + dS_in_n - jnp.swapaxes(w_n, -1, -2) @ dv
+        return (r_L[:, None, None, None] * dS_in, d_table.at[idx_L].add(dS_in)), (dS_out, dv)
+
+    (_, d_table), (dS_out, dv) = jax.lax.scan(step, (dS_last, jnp.zeros_like(table)),
+                                              (idx, r, w, k, decay, dS_in_ext, dv_ext), reverse=True)
+    dw = -(dv @ jnp.swapaxes(S_in, -1, -2))
+    dk = v @ jnp.swapaxes(dS_out, -1, -2)
+    d_decay = jnp.einsum("...kv,...kv->...k", S_in, dS_out)  # XLA:CPU's fused multiply-reduce is ~20x slower
+    return d_table, None, None, dv, dw, dk, d_decay
+
+
+chunk_states.defvjp(_chunk_states_fwd, _chunk_states_bwd)
+
+
 def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
     """Everything that does not depend on the carried state, for all chunks at once ([.., H, C, *]).
 
@@ -137,8 +185,10 @@ def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
         # gradient is exactly zero (a difference of prefix sums only cancels to rounding).
         same = seg_C[..., :, None] == seg_C[..., None, :]
         prefix = (same & jnp.tril(jnp.ones((C, C), bool))).astype(jnp.float32)
+        prefix = jnp.broadcast_to(prefix, (*g.shape[:-2], C, C))  # per head: no transposes of g and its gradient
         G = jnp.einsum("...ci,...ik->...ck", prefix, g, precision="highest")
-    A_qk, A_kk = _decay_products(q, k, G, seg_C, sub=sub, safe_gate=safe_gate)
+    A = _decay_products(q, k, G, seg_C, sub=sub, safe_gate=safe_gate)
+    A_qk, A_kk = A[..., :, 0, :], A[..., :, 1, :]
     lower = beta[..., :, None] * A_kk
     # Tm = (I + L)^-1 Diag(beta), L strictly lower (block-diagonal per segment).
     t_mat = unit_lower_inverse(lower) * beta[..., None, :]
@@ -179,6 +229,7 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
                            sub_chunk=SUB_CHUNK):
     check_chunk_size(chunk_size)
     B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
     n_chunks = -(-T // chunk_size)
     pad = n_chunks * chunk_size - T
     real = segment_ids_BT != 0
@@ -199,15 +250,14 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
     pre["q_decay"] = pre["q_decay"] * carry
     keep_BN = carry_BNC[..., -1]                       # the whole chunk continues: carry the decayed state on
 
-    def step(state_BHKV, x):
-        v_new = x["u"] - x["w"] @ state_BHKV
-        decayed = jnp.where(x["keep"][:, None, None, None], x["decay_last"][..., None] * state_BHKV, 0.0)
-        return decayed + jnp.swapaxes(x["k_out"], -1, -2) @ v_new, (state_BHKV, v_new)
-
-    pre["keep"] = keep_BN
     chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
-    carried = {k: chunk_major[k] for k in ("u", "w", "k_out", "decay_last", "keep")}
-    final_BHKV, (states_NBHKV, v_new_NBHCV) = jax.lax.scan(step, initial_state_BHKV.astype(jnp.float32), carried)
+    decay_NBHK = jnp.where(keep_BN.T[..., None, None], chunk_major["decay_last"], 0.0)
+    # lane b starts from table row b (its initial state); later chunks add the zero row B
+    table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
+    idx_NB = jnp.full((n_chunks, B), B, jnp.int32).at[0].set(jnp.arange(B))
+    r_NB = jnp.broadcast_to((jnp.arange(n_chunks) > 0)[:, None], (n_chunks, B)).astype(jnp.float32)
+    states_NBHKV, v_new_NBHCV, final_BHKV = chunk_states(table, idx_NB, r_NB, chunk_major["u"], chunk_major["w"],
+                                                         chunk_major["k_out"], decay_NBHK)
     # Outputs need no recurrence: one batched matmul over all chunks once the entering states are known.
     o_NBHCV = chunk_major["q_decay"] @ states_NBHKV + chunk_major["a_qk"] @ v_new_NBHCV
     o_BTHV = _from_chunks(jnp.moveaxis(o_NBHCV, 0, 1))[:, :T]
@@ -237,19 +287,18 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
     last_seg = jnp.clip(plan.row_last_seg, 0, max_segs - 1)
     row_final_chunk = jnp.where(plan.row_last_seg >= 0, plan.seg_last_chunk[last_seg], -1)   # [B]
 
-    def step(carry, x):
-        state_1HKV, finals_BHKV = carry
-        state_1HKV = jnp.where(x["reset"], init_table[x["init_row"]][None], state_1HKV)
-        v_new = x["u"] - x["w"] @ state_1HKV
-        new_state = x["decay_last"][..., None] * state_1HKV + jnp.swapaxes(x["k_out"], -1, -2) @ v_new
-        finals_BHKV = jnp.where((row_final_chunk == x["index"])[:, None, None, None], new_state, finals_BHKV)
-        return (new_state, finals_BHKV), (state_1HKV, v_new)
-
     chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
-    carried = {k: chunk_major[k] for k in ("u", "w", "k_out", "decay_last")}
-    carried.update(reset=plan.chunk_starts_seg, init_row=plan.chunk_init_row, index=jnp.arange(n_chunks))
-    init_carry = (jnp.zeros((1, H, K, V), jnp.float32), initial_state_BHKV.astype(jnp.float32))
-    (_, final_BHKV), (states_N1HKV, v_new_N1HCV) = jax.lax.scan(step, init_carry, carried)
+    reset_N1 = plan.chunk_starts_seg[:, None]
+    idx_N1 = jnp.where(reset_N1, plan.chunk_init_row[:, None], B).astype(jnp.int32)
+    states_N1HKV, v_new_N1HCV, _ = chunk_states(init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32),
+                                                chunk_major["u"], chunk_major["w"], chunk_major["k_out"],
+                                                chunk_major["decay_last"])
+    # Each row's final state: the state leaving the chunk that holds the end of its last segment.
+    at = lambda a: jnp.take(a[:, 0], jnp.maximum(row_final_chunk, 0), axis=0)   # [B, ...]
+    leaving = at(chunk_major["decay_last"])[..., None] * at(states_N1HKV) + jnp.swapaxes(
+        at(chunk_major["k_out"]), -1, -2) @ at(v_new_N1HCV)
+    final_BHKV = jnp.where((row_final_chunk >= 0)[:, None, None, None], leaving,
+                           initial_state_BHKV.astype(jnp.float32))
     o_N1HCV = chunk_major["q_decay"] @ states_N1HKV + chunk_major["a_qk"] @ v_new_N1HCV  # batched, outside the scan
     o_flat = _from_chunks(jnp.moveaxis(o_N1HCV, 0, 1))[0]                  # [T_new, H, V]
     o_BTHV = jnp.take(o_flat, plan.dest, axis=0, mode="fill", fill_value=0.0).reshape(B, T, H, V)

@@ -373,7 +373,8 @@ def main():
     repeats = 2 if args.quick else 5
     extra = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores, label {args.label}, {extra}")
-    result = {"label": args.label, "overrides": extra, "models": {}}
+    result = {"label": args.label, "overrides": extra, "repeats": repeats, "load_average_at_start": os.getloadavg(),
+              "models": {}}
     out = Path(args.out or ROOT / "experiments" / "results" / f"bench_train_{args.label}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):

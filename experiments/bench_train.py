@@ -340,16 +340,15 @@ def hlo_ops(cfg, B: int, T: int) -> int:
 def compile_parts(cfg, B: int, T: int) -> list:
     """Compile cost of each component's forward+backward alone: StableHLO ops and process CPU seconds of
     lowering and of XLA's compile (CPU time, so other jobs on the machine barely move it)."""
-    cpu = cpu_seconds
     rows = []
     for name, (fn, args, count) in components(cfg, B, T).items():
-        start = cpu()
+        start = cpu_seconds()
         lowered = fn.lower(*args)
         ops = sum(" = " in line for line in lowered.as_text().splitlines())
-        lowered_at = cpu()
+        lowered_at = cpu_seconds()
         lowered.compile()
         rows.append({"component": name, "calls": count, "stablehlo_ops": ops,
-                     "lower_cpu_s": lowered_at - start, "compile_cpu_s": cpu() - lowered_at})
+                     "lower_cpu_s": lowered_at - start, "compile_cpu_s": cpu_seconds() - lowered_at})
     return rows
 
 

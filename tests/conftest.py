@@ -11,9 +11,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     flags += " --xla_force_host_platform_device_count=8"
-# tests compile far more than they compute: LLVM -O0 compiles the KDA layer ~2.7x faster (bench_train --compile-parts)
+# Tests compile far more than they compute. LLVM -O0 compiles the KDA layer ~2.7x faster, and at -O0 XLA:CPU's
+# older elemental emitters another ~3x (bench_train --compile-parts; at -O3 they compile slower and run slower).
 if "xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
+if "xla_cpu_use_fusion_emitters" not in flags:
+    flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = flags.strip()
 
 # One persistent XLA compilation cache per test session, shared by both xdist workers and every subprocess:

@@ -17,6 +17,9 @@ AdamW, expert-bias update) on one synthetic packed batch (log-normal document le
   jitted alone, forward + backward at the model's batch shape, timed the same way and multiplied by
   how often a step runs it; also XLA's FLOP count per component. With `remat` the step recomputes each
   layer's forward once more, which the isolated timings do not include.
+* `--head-ab`: the vocab head's weight gradient as autodiff writes it against `models.ling3.head_matmul`:
+  the whole step and the embedding + head + loss component, each compiled both ways, interleaved, with
+  process CPU seconds (what the other jobs on a shared machine barely move) and compiled temp memory.
 * `--moe-ab`: one MoE layer with `ragged_dot` against the tiled grouped matmul, interleaved.
 * `--attention-ab T`: one MLA mixer at [1, T] packed with many documents, dense attention against
   tile-skipping flash, interleaved, with flash's computed / total tiles.
@@ -28,6 +31,7 @@ Every number is a ratio or a time within this run on this machine; absolute time
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -49,6 +53,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from lingpack.config import KernelConfig, model_config as resolve_model_config  # noqa: E402
 from lingpack.kernels.attention.flash import tile_counts  # noqa: E402
 from lingpack.models.block import DecoderLayer  # noqa: E402
+from lingpack.models import ling3 as ling3_lib  # noqa: E402
 from lingpack.models.ling3 import Ling3  # noqa: E402
 from lingpack.train import flops as flops_lib  # noqa: E402
 from lingpack.train.configs import LossConfig, OptimConfig  # noqa: E402
@@ -92,16 +97,25 @@ def packed_batch(B: int, T: int, vocab: int, seed: int = 0, median_doc: int | No
     return {k: jnp.asarray(np.where(seg != 0, v, 0) if k in ("inputs", "targets") else v) for k, v in batch.items()}
 
 
-def interleaved(fns: dict, repeats: int) -> dict:
-    """Median seconds per function, calls interleaved (A B A B ...) so load drift hits all alike."""
+def cpu_seconds() -> float:
+    return sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # user + system seconds of this process, all threads
+
+
+def interleaved(fns: dict, repeats: int, cpu: dict | None = None) -> dict:
+    """Median seconds per function, calls interleaved (A B A B ...) so load drift hits all alike; `cpu` (a dict)
+    receives the median process CPU seconds per call (other jobs on the machine barely move it)."""
     for fn in fns.values():
         fn()  # warm-up
     times = {name: [] for name in fns}
+    cpus = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), cpu_seconds()
             fn()
             times[name].append(time.perf_counter() - start)
+            cpus[name].append(cpu_seconds() - start_cpu)
+    if cpu is not None:
+        cpu.update({name: statistics.median(c) for name, c in cpus.items()})
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -128,27 +142,36 @@ def xla_flops(compiled) -> float:
     return float(cost.get("flops", 0.0))
 
 
-def bench_step(cfg, B: int, T: int, repeats: int) -> dict:
+def compiled_step(cfg, B: int, T: int, holder: list | None = None):
+    """(compiled train step, a `run()` that steps the state in `holder` once, compile seconds); a new state
+    unless `holder` already holds one."""
     build = lambda: Ling3(cfg, rngs=nnx.Rngs(0))
     model_def = ModelDef.from_constructor(build, cfg)
     optim = OptimConfig(decay_steps=1000)
-    state = jax.jit(init_fn(build, optim, 0))()
+    holder = holder if holder is not None else []
+    if not holder:
+        holder.append(jax.jit(init_fn(build, optim, 0))())
     batch = packed_batch(B, T, cfg.vocab_size)
     step = make_train_step(model_def, LossConfig(), optim, micro_batches=1)
     start = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(holder[0], batch).compile()
     compile_s = time.perf_counter() - start
-    holder = [state]
 
     def run():
         holder[0], metrics = compiled(holder[0], batch)
         jax.block_until_ready(metrics)
+    return compiled, run, compile_s
 
+
+def bench_step(cfg, B: int, T: int, repeats: int) -> dict:
+    compiled, run, compile_s = compiled_step(cfg, B, T)
     mm, mm_flops, mm_best = matmul_fn()
-    times = interleaved({"step": run, "matmul": mm}, repeats)
+    cpu = {}
+    times = interleaved({"step": run, "matmul": mm}, repeats, cpu)
     ceiling = mm_flops / statistics.median(mm_best)
     model_flops = flops_lib.flops_per_token(cfg, T) * B * T
     return {"B": B, "T": T, "layers": cfg.num_layers, "compile_s": compile_s, "step_s": times["step"],
+            "step_cpu_s": cpu["step"], "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 20,
             "tokens_per_s": B * T / times["step"], "ceiling_gflops": ceiling / 1e9,
             "model_gflop_per_step": model_flops / 1e9, "xla_gflop_per_step": xla_flops(compiled) / 1e9,
             "mfu": model_flops / times["step"] / ceiling, "xla_util": xla_flops(compiled) / times["step"] / ceiling}
@@ -162,6 +185,20 @@ def _fwd_bwd(module, call):
         y = call(nnx.merge(graphdef, params, rest), x)
         return jnp.sum(y.astype(jnp.float32) * jnp.cos(y.astype(jnp.float32)))  # a non-trivial cotangent
     return jax.jit(jax.grad(loss, argnums=(0, 1))), params
+
+
+def head_component(cfg, B: int, T: int):
+    """(jitted fwd+bwd, args, calls per step) of the token embedding, the final norm, the vocab head and its
+    cross-entropy; a step calls it once per head (main + each MTP depth)."""
+    batch = packed_batch(B, T, cfg.vocab_size)
+    x = jax.random.normal(jax.random.key(1), (B, T, cfg.emb_dim), jnp.dtype(cfg.dtype))
+    model = Ling3(dataclasses.replace(cfg, num_layers=1, first_dense_layers=1, mtp_num_layers=0), rngs=nnx.Rngs(0))
+
+    def head_call(m, h):
+        xent, _ = token_xent(m.logits(h), batch["targets"])
+        return xent + m.embed_tokens(batch["inputs"]).sum(-1)  # the lookup's gradient scatters into the table
+    fn, params = _fwd_bwd(model, head_call)
+    return fn, (params, x), 1 + cfg.mtp_num_layers
 
 
 def components(cfg, B: int, T: int):
@@ -188,14 +225,7 @@ def components(cfg, B: int, T: int):
             fn, params = _fwd_bwd(module, call)
             out[name] = (fn, (params, x), counts[name])
 
-    model = Ling3(dataclasses.replace(cfg, num_layers=1, first_dense_layers=1, mtp_num_layers=0), rngs=nnx.Rngs(0))
-    heads = 1 + n_mtp  # the main head and each MTP depth's logits + cross-entropy
-
-    def head_call(m, h):
-        xent, _ = token_xent(m.logits(h), batch["targets"])
-        return xent + m.embed_tokens(batch["inputs"]).sum(-1)  # the lookup's gradient scatters into the table
-    fn, params = _fwd_bwd(model, head_call)
-    out["embedding + head + loss"] = (fn, (params, x), heads)
+    out["embedding + head + loss"] = head_component(cfg, B, T)
 
     full = Ling3(cfg, rngs=nnx.Rngs(0))
     params = jax.tree.map(lambda p: p.astype(jnp.float32), nnx.state(full, nnx.Param).to_pure_dict())
@@ -209,12 +239,14 @@ def components(cfg, B: int, T: int):
 def breakdown(cfg, B: int, T: int, repeats: int, step_s: float) -> list:
     parts = components(cfg, B, T)
     fns = {name: (lambda f=fn, a=args: jax.block_until_ready(f(*a))) for name, (fn, args, _) in parts.items()}
-    times = interleaved(fns, repeats)
+    cpu = {}
+    times = interleaved(fns, repeats, cpu)
     rows = []
     for name, (fn, args, count) in parts.items():
         flops = xla_flops(fn.lower(*args).compile())
         rows.append({"component": name, "calls": count, "seconds_each": times[name],
                      "seconds_per_step": times[name] * count, "share_of_step": times[name] * count / step_s,
+                     "cpu_seconds_per_step": cpu[name] * count,
                      "xla_gflop_per_step": flops * count / 1e9})
         if name == "MLA mixer":  # query x key tiles flash computes on this batch (all of them for dot_product)
             seg = packed_batch(B, T, cfg.vocab_size)["inputs_segmentation"]
@@ -263,6 +295,38 @@ def attention_ab(cfg, T: int, median_doc: int, repeats: int) -> dict:
             "flash_tiles": {"block": cfg.attention_block_size, "computed": computed, "total": total}}
 
 
+@contextlib.contextmanager
+def head_impl(name: str):
+    """Trace the model with its `head_matmul` ("custom") or with autodiff's plain matmul ("autodiff": the code
+    before issue 15's head change); what is compiled inside keeps it."""
+    saved = ling3_lib.head_matmul
+    ling3_lib.head_matmul = saved if name == "custom" else jnp.matmul
+    try:
+        yield
+    finally:
+        ling3_lib.head_matmul = saved
+
+
+def head_ab(cfg, B: int, T: int, repeats: int) -> dict:
+    """The vocab head's weight-gradient formulation, A/B in one run: the whole train step and the isolated
+    embedding + head + loss component, each compiled with autodiff's matmul and with `head_matmul`,
+    interleaved; wall and process CPU seconds, XLA GFLOP, compiled temp memory."""
+    fns, row, state = {}, {}, []  # both steps advance one state (memory: one ling3_small state is 2.7 GB)
+    fn, args, calls = head_component(cfg, B, T)
+    for impl in ("autodiff", "custom"):
+        with head_impl(impl):
+            compiled, fns[f"step, {impl}"], _ = compiled_step(cfg, B, T, state)
+            head = jax.jit(lambda *a, f=fn.__wrapped__: f(*a)).lower(*args).compile()  # a new trace per impl
+        fns[f"head x{calls}, {impl}"] = lambda h=head, a=args, n=calls: [jax.block_until_ready(h(*a)) for _ in range(n)]
+        for name, c, n in ((f"step, {impl}", compiled, 1), (f"head x{calls}, {impl}", head, calls)):
+            row[name] = {"xla_gflop": xla_flops(c) * n / 1e9, "temp_mib": c.memory_analysis().temp_size_in_bytes / 2 ** 20}
+    cpu = {}
+    times = interleaved(fns, repeats, cpu)
+    for name in fns:
+        row[name].update(wall_s=times[name], cpu_s=cpu[name])
+    return row
+
+
 def hlo_ops(cfg, B: int, T: int) -> int:
     """Operations in the lowered (StableHLO) train step, traced on abstract state: compile work, load-free."""
     build = lambda: Ling3(cfg, rngs=nnx.Rngs(0))
@@ -276,16 +340,15 @@ def hlo_ops(cfg, B: int, T: int) -> int:
 def compile_parts(cfg, B: int, T: int) -> list:
     """Compile cost of each component's forward+backward alone: StableHLO ops and process CPU seconds of
     lowering and of XLA's compile (CPU time, so other jobs on the machine barely move it)."""
-    cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # user + system seconds of this process
     rows = []
     for name, (fn, args, count) in components(cfg, B, T).items():
-        start = cpu()
+        start = cpu_seconds()
         lowered = fn.lower(*args)
         ops = sum(" = " in line for line in lowered.as_text().splitlines())
-        lowered_at = cpu()
+        lowered_at = cpu_seconds()
         lowered.compile()
         rows.append({"component": name, "calls": count, "stablehlo_ops": ops,
-                     "lower_cpu_s": lowered_at - start, "compile_cpu_s": cpu() - lowered_at})
+                     "lower_cpu_s": lowered_at - start, "compile_cpu_s": cpu_seconds() - lowered_at})
     return rows
 
 
@@ -301,13 +364,16 @@ def main():
                         help="only the MLA attention A/B (dense vs tile-skipping flash) at [1, T], median document T/16")
     parser.add_argument("--compile-parts", action="store_true",
                         help="only the compile cost (ops, CPU seconds) of each component's fwd+bwd alone")
+    parser.add_argument("--head-ab", action="store_true",
+                        help="only the vocab head A/B (autodiff's weight gradient vs head_matmul): step and head + loss")
     parser.add_argument("--hlo-ops", action="store_true", help="only count the lowered step's ops, scanned and unrolled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     repeats = 2 if args.quick else 5
     extra = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores, label {args.label}, {extra}")
-    result = {"label": args.label, "overrides": extra, "models": {}}
+    result = {"label": args.label, "overrides": extra, "repeats": repeats, "load_average_at_start": os.getloadavg(),
+              "models": {}}
     out = Path(args.out or ROOT / "experiments" / "results" / f"bench_train_{args.label}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
@@ -331,6 +397,13 @@ def main():
                   f" XLA GFLOP {row['xla_gflop']}, flash tiles {row['flash_tiles']}", flush=True)
             out.write_text(json.dumps(result, indent=2))
             continue
+        if args.head_ab:
+            result["models"][name] = row = head_ab(cfg, B, T, repeats)
+            for k, r in row.items():
+                print(f"{name:8s} {k:24s} cpu {r['cpu_s']:7.3f} s | wall {r['wall_s']:7.3f} s | XLA {r['xla_gflop']:7.1f}"
+                      f" GFLOP | temp {r['temp_mib']:6.0f} MiB", flush=True)
+            out.write_text(json.dumps(result, indent=2))
+            continue
         if args.moe_ab:
             result["models"][name] = row = moe_ab(cfg, B, T, repeats)
             print(f"{name:8s} MoE layer fwd+bwd: {row['seconds']} s, XLA GFLOP {row['xla_gflop']}", flush=True)
@@ -338,7 +411,8 @@ def main():
             continue
         row = bench_step(cfg, B, T, repeats)
         print(f"{name:8s} layers {row['layers']:2d} B={B} T={T}: compile {row['compile_s']:6.1f} s | step"
-              f" {row['step_s']:7.3f} s | {row['tokens_per_s']:8.0f} tok/s | MFU {100 * row['mfu']:5.1f}%"
+              f" {row['step_s']:7.3f} s ({row['step_cpu_s']:.3f} s CPU, temp {row['temp_mib']:.0f} MiB) |"
+              f" {row['tokens_per_s']:8.0f} tok/s | MFU {100 * row['mfu']:5.1f}%"
               f" (XLA flops {100 * row['xla_util']:5.1f}%) of {row['ceiling_gflops']:.1f} GFLOP/s", flush=True)
         if not args.quick:
             row["breakdown"] = breakdown(cfg, B, T, repeats, row["step_s"])

@@ -218,3 +218,27 @@ def test_remat_gives_identical_gradients():
         grads.append(nnx.jit(nnx.grad(loss))(model))
     for (path, a), (_, b) in zip(nnx.to_flat_state(grads[0]), nnx.to_flat_state(grads[1])):
         np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-5, atol=1e-7, err_msg=str(path))
+
+
+def test_head_matmul_gradients_are_autodiffs(monkeypatch):
+    """`head_matmul`'s hand-written VJP against autodiff of a plain matmul: alone (any leading axes; a weight
+    that is a transposed table, as with tied embeddings) and as the head of a model (main + MTP logits)."""
+    from lingpack.models import ling3
+    keys = jax.random.split(jax.random.key(0), 3)
+    table = jax.random.normal(keys[1], (33, 16))
+    for lead in [(7,), (2, 5), (2, 3, 4)]:
+        h, g = jax.random.normal(keys[0], (*lead, 16)), jax.random.normal(keys[2], (*lead, 33))
+        ours = jax.jit(lambda h, e: jax.vjp(lambda h, e: ling3.head_matmul(h, e.T), h, e)[1](g))(h, table)
+        ref = jax.vjp(lambda h, e: h @ e.T, h, table)[1](g)
+        for a, b in zip(ours, ref):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+    cfg = dataclasses.replace(packing_config("chunked", "dot_product"), num_layers=1, inhomogeneous_layer_cycle_interval=1)
+    batch = {k: jnp.asarray(v) for k, v in packed_batch(ROWS, T, vocab=64).items()}  # one MLA layer + MTP: fast
+    loss = lambda m: jnp.mean(per_token_losses(m(batch["inputs"], batch["inputs_segmentation"],
+                                                 batch["inputs_position"]), batch))
+    grads = [nnx.jit(nnx.grad(loss))(Ling3(cfg, rngs=nnx.Rngs(0)))]
+    monkeypatch.setattr(ling3, "head_matmul", jnp.matmul)  # autodiff's head
+    grads.append(nnx.jit(nnx.grad(loss))(Ling3(cfg, rngs=nnx.Rngs(0))))
+    for (path, a), (_, b) in zip(nnx.to_flat_state(grads[0]), nnx.to_flat_state(grads[1])):
+        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-5, atol=1e-7, err_msg=str(path))

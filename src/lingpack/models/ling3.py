@@ -53,6 +53,32 @@ REMAT_POLICIES = {
 }
 
 
+@jax.custom_vjp
+def head_matmul(h_BTD: jax.Array, w_DV: jax.Array) -> jax.Array:
+    """h @ w (any leading axes): the vocab head, whose weight gradient is the step's largest matmul.
+
+    The VJP is autodiff's, except that the weight gradient contracts a materialised h^T [D, B, T] with the
+    logit gradient. Left alone, XLA:CPU folds that transpose into the dot and copies the [B, T, V] gradient
+    transposed for a slower kernel instead (`experiments/bench_train.py --head-ab`). Reverse mode only (no jvp).
+    """
+    return h_BTD @ w_DV
+
+
+def _head_matmul_fwd(h_BTD, w_DV):
+    return h_BTD @ w_DV, (h_BTD, w_DV)
+
+
+def _head_matmul_bwd(res, g_BTV):
+    h_BTD, w_DV = res
+    h_DBT = jax.lax.optimization_barrier(jnp.moveaxis(h_BTD, -1, 0))  # the barrier keeps the transpose a copy
+    lead = tuple(range(h_BTD.ndim - 1))
+    dw_DV = jax.lax.dot_general(h_DBT, g_BTV, ((tuple(a + 1 for a in lead), lead), ((), ())))
+    return g_BTV @ w_DV.T, dw_DV
+
+
+head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class Ling3Config:
     vocab_size: int = 512
@@ -166,8 +192,8 @@ class Ling3(nnx.Module):
         """Final norm, then fp32 logits (fp32 weights and product: softmax over a large vocab needs it)."""
         h = self.norm(h_BTD).astype(jnp.float32)
         if self.cfg.tie_embeddings:
-            return h @ self.embed_tokens.embedding[...].astype(jnp.float32).T
-        return h @ self.lm_head[...].astype(jnp.float32)
+            return head_matmul(h, self.embed_tokens.embedding[...].astype(jnp.float32).T)
+        return head_matmul(h, self.lm_head[...].astype(jnp.float32))
 
     def __call__(self, inputs_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
                  positions_BT: jax.Array | None = None, *, input_embeddings_BTD: jax.Array | None = None) -> Ling3Output:

@@ -25,10 +25,11 @@ def naive():
 
 
 @functools.lru_cache(maxsize=None)
-def jitted(impl, chunk_size=CHUNK, max_segs=MAX_SEGS):
+def jitted(impl, chunk_size=CHUNK, max_segs=MAX_SEGS, safe_gate=False):
+    """One compiled program per case (eager calls would compile every op of the kernel for every shape)."""
     def run(q, k, v, g, beta, seg, h0):
         return api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=chunk_size,
-                             max_segs=max_segs, initial_state=h0, output_final_state=True)
+                             max_segs=max_segs, initial_state=h0, output_final_state=True, safe_gate=safe_gate)
     return jax.jit(run)
 
 
@@ -75,8 +76,7 @@ def test_strong_decay_is_finite(naive, safe_gate):
     seg = np.ones((1, 128), np.int32)
     o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg)
     for impl in CHUNKED_IMPLS:
-        o, s = api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=64, max_segs=2,
-                             output_final_state=True, safe_gate=safe_gate)
+        o, s = jitted(impl, 64, 2, safe_gate)(q, k, v, g, beta, seg, None)
         assert np.isfinite(np.asarray(o)).all()
         np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(s), s_ref, atol=2e-5, rtol=1e-5)
@@ -91,8 +91,7 @@ def test_chunk_size_not_a_power_of_two_matches_fla(naive, impl, safe_gate):
     g = np.maximum(g, -5.0) if safe_gate else g
     seg = segments_from_lengths(LAYOUTS["two_rows_padding_len1"], T)
     o_ref, s_ref = per_document_oracle(naive, q, k, v, g, beta, seg)
-    o, s = api.chunk_kda(q, k, v, g, beta, segment_ids=seg, impl=impl, chunk_size=48, max_segs=MAX_SEGS,
-                         output_final_state=True, safe_gate=safe_gate)
+    o, s = jitted(impl, 48, MAX_SEGS, safe_gate)(q, k, v, g, beta, seg, None)
     np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(s), s_ref, atol=2e-5, rtol=1e-5)
 
@@ -203,7 +202,7 @@ def test_no_segment_ids_is_one_document_per_row(naive):
     seg = np.ones((2, 70), np.int32)
     o_ref, _ = per_document_oracle(naive, q, k, v, g, beta, seg)
     for impl in IMPLS:
-        o, _ = api.chunk_kda(q, k, v, g, beta, impl=impl, chunk_size=16, max_segs=2)
+        o, _ = jitted(impl, 16, 2)(q, k, v, g, beta, None, None)
         np.testing.assert_allclose(np.asarray(o), o_ref, atol=2e-5, rtol=1e-5)
 
 
@@ -215,10 +214,14 @@ def test_gate_and_l2norm_in_kernel_match_outside():
     dt_bias = rng.standard_normal(32).astype(np.float32)
     from lingpack.kernels.kda import gate
     for lower_bound in (None, -5.0):
-        g = gate.kda_gate(g_raw, A_log, dt_bias, lower_bound)
-        o_out, _ = api.chunk_kda(gate.l2norm(q), gate.l2norm(k), v, g, beta, chunk_size=16)
-        o_in, _ = api.chunk_kda(q, k, v, g_raw, beta, chunk_size=16, use_gate_in_kernel=True, A_log=A_log,
-                                dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm_in_kernel=True)
+        def outside(q, k, v, g_raw, beta):
+            g = gate.kda_gate(g_raw, A_log, dt_bias, lower_bound)
+            return api.chunk_kda(gate.l2norm(q), gate.l2norm(k), v, g, beta, chunk_size=16)[0]
+
+        def inside(q, k, v, g_raw, beta):
+            return api.chunk_kda(q, k, v, g_raw, beta, chunk_size=16, use_gate_in_kernel=True, A_log=A_log,
+                                 dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm_in_kernel=True)[0]
+        o_out, o_in = [jax.jit(f)(q, k, v, g_raw, beta) for f in (outside, inside)]
         np.testing.assert_allclose(np.asarray(o_in), np.asarray(o_out), atol=1e-6)
 
 

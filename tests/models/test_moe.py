@@ -25,11 +25,14 @@ def _model(cfg=CFG, D=24, seed=0):
     return moe
 
 
+call = nnx.jit(lambda moe, *args: moe(*args))  # one compile per case, not one per eager op
+
+
 @pytest.mark.parametrize("grouped_matmul", ["tiled", "ragged_dot"])
 def test_dispatch_equals_dense_loop_over_experts(grouped_matmul):
     moe = _model(dataclasses.replace(CFG, grouped_matmul=grouped_matmul))
     x = jax.random.normal(jax.random.key(5), (2, 13, 24))
-    y, aux = moe(x)
+    y, aux = call(moe, x)
     x_ND = x.reshape(-1, 24)
     idx, w = route(x_ND @ moe.router[...], moe.expert_bias[...], CFG)
     ref = np.zeros(x_ND.shape, np.float32)
@@ -73,7 +76,7 @@ def test_router_and_output_match_transformers():
                                       np.take_along_axis(ref_idx.numpy(), ref_order, 1))
         np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, 1),
                                    np.take_along_axis(ref_w.numpy(), ref_order, 1), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(moe(jnp.asarray(x))[0]), ref, atol=3e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(call(moe, jnp.asarray(x))[0]), ref, atol=3e-5, rtol=1e-5)
 
 
 def test_group_limit_keeps_chosen_experts_in_top_groups():
@@ -87,12 +90,12 @@ def test_stats_ignore_padding_and_bias_gets_no_gradient():
     moe = _model()
     x = jax.random.normal(jax.random.key(2), (2, 8, 24))
     seg = jnp.array([[1] * 5 + [0] * 3, [1] * 8])
-    _, aux = moe(x, seg)
+    _, aux = call(moe, x, seg)
     assert float(aux["load_counts"].sum()) == 13 * CFG.top_k and float(aux["num_tokens"]) == 13
     logits = np.asarray(x.reshape(-1, 24) @ moe.router[...])[np.asarray(seg).reshape(-1) != 0]
     z = np.log(np.exp(logits).sum(-1)) ** 2
     np.testing.assert_allclose(float(aux["router_z_loss"]), z.sum(), rtol=1e-5)
-    grads = nnx.grad(lambda m: jnp.sum(m(x, seg)[0] ** 2) + m(x, seg)[1]["router_z_loss"])(moe)
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x, seg)[0] ** 2) + m(x, seg)[1]["router_z_loss"]))(moe)
     assert "expert_bias" not in dict(grads) and np.abs(np.asarray(grads["router"][...])).max() > 0
 
 
@@ -103,7 +106,7 @@ def test_bias_update_moves_load_toward_balance():
     x = jax.random.normal(jax.random.key(9), (4, 64, 24)) + 1.0  # a shifted input: a skewed router load
     imbalance = []
     for _ in range(60):
-        _, aux = moe(x)
+        _, aux = call(moe, x)
         load = np.asarray(aux["load_counts"])
         imbalance.append(load.max() / load.mean())
         update_expert_bias(moe, aux["load_counts"][None], rate=0.01)
@@ -119,9 +122,9 @@ def test_tiled_grouped_matmul_equals_ragged_dot(sizes):
     x = jnp.asarray(rng.standard_normal((M, 8)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((E, 8, 6)), jnp.float32)
     groups = jnp.asarray(sizes, jnp.int32)
-    tiled = lambda x, w: tiled_grouped_matmul(x, w, groups, tile=8)
-    ragged = lambda x, w: jax.lax.ragged_dot(x, w, groups)
+    tiled = jax.jit(lambda x, w: tiled_grouped_matmul(x, w, groups, tile=8))
+    ragged = jax.jit(lambda x, w: jax.lax.ragged_dot(x, w, groups))
     np.testing.assert_allclose(tiled(x, w), ragged(x, w), atol=1e-5, rtol=1e-5)
-    grads = lambda f: jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))(x, w)
+    grads = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))(x, w)
     for a, b in zip(grads(tiled), grads(ragged)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

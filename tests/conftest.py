@@ -50,11 +50,27 @@ HEAVY_DUPLICATES = {
 }
 
 
+# The heaviest default-suite files (process CPU seconds on the idle 2-core machine), run first: `make test`
+# deals whole files (`--dist loadfile`) to whichever worker is free, so a long file started last would leave
+# the other worker idle while it runs.
+HEAVY_FILES_FIRST = [
+    "tests/distributed/test_distributed_multiprocess.py",   # 67 s: 3 run.py processes
+    "tests/parity/test_parity_routing.py",                  # 45 s: lingpack + torch reference, 10 steps
+    "tests/models/test_ling3.py",                           # 43 s
+    "tests/kernels/test_kda_pallas.py",                     # 41 s: Pallas in interpret mode
+    "tests/runner/test_runner_smoke.py",                    # 36 s: run.py SIGTERM + resume
+    "tests/kernels/test_kda.py",                            # 27 s
+    "tests/models/test_stack.py",                           # 24 s
+]
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
     for item in items:
         if item.nodeid in HEAVY_DUPLICATES:
             item.add_marker(pytest.mark.slow)
+    rank = {path: i for i, path in enumerate(HEAVY_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
 def pytest_unconfigure(config):

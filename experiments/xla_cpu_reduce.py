@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kda_stages import cpu_seconds  # experiments/ is the script's directory
+
 
 def cpu_ms(fn, *args, repeats=7):
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        jax.block_until_ready(fn(*args))
-        times.append(time.process_time() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * cpu_seconds(fn, args, repeats)
 
 
 def main():

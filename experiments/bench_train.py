@@ -379,47 +379,35 @@ def main():
     for name in args.models.split(","):
         cfg, B, T = model_config(name, **extra)
         if args.hlo_ops:
-            result["models"][name] = row = {scan: hlo_ops(dataclasses.replace(cfg, scan_layers=scan), B, T)
-                                            for scan in (True, False)}
-            print(f"{name:8s} lowered step ops: scanned {row[True]}, unrolled {row[False]}", flush=True)
-            out.write_text(json.dumps(result, indent=2))
-            continue
-        if args.compile_parts:
-            result["models"][name] = rows = compile_parts(cfg, B, T)
-            for r in rows:
-                print(f"{name:8s} {r['component']:34s} x{r['calls']:2d} {r['stablehlo_ops']:6d} ops | lower"
-                      f" {r['lower_cpu_s']:5.1f} s | compile {r['compile_cpu_s']:5.1f} s CPU", flush=True)
-            out.write_text(json.dumps(result, indent=2))
-            continue
-        if args.attention_ab:
-            result["models"][name] = row = attention_ab(cfg, args.attention_ab, args.attention_ab // 16, repeats)
-            print(f"{name:8s} MLA mixer fwd+bwd, T={row['T']}, {row['documents']} documents: {row['seconds']} s,"
-                  f" XLA GFLOP {row['xla_gflop']}, flash tiles {row['flash_tiles']}", flush=True)
-            out.write_text(json.dumps(result, indent=2))
-            continue
-        if args.head_ab:
-            result["models"][name] = row = head_ab(cfg, B, T, repeats)
-            for k, r in row.items():
-                print(f"{name:8s} {k:24s} cpu {r['cpu_s']:7.3f} s | wall {r['wall_s']:7.3f} s | XLA {r['xla_gflop']:7.1f}"
-                      f" GFLOP | temp {r['temp_mib']:6.0f} MiB", flush=True)
-            out.write_text(json.dumps(result, indent=2))
-            continue
-        if args.moe_ab:
-            result["models"][name] = row = moe_ab(cfg, B, T, repeats)
-            print(f"{name:8s} MoE layer fwd+bwd: {row['seconds']} s, XLA GFLOP {row['xla_gflop']}", flush=True)
-            out.write_text(json.dumps(result, indent=2))
-            continue
-        row = bench_step(cfg, B, T, repeats)
-        print(f"{name:8s} layers {row['layers']:2d} B={B} T={T}: compile {row['compile_s']:6.1f} s | step"
-              f" {row['step_s']:7.3f} s ({row['step_cpu_s']:.3f} s CPU, temp {row['temp_mib']:.0f} MiB) |"
-              f" {row['tokens_per_s']:8.0f} tok/s | MFU {100 * row['mfu']:5.1f}%"
-              f" (XLA flops {100 * row['xla_util']:5.1f}%) of {row['ceiling_gflops']:.1f} GFLOP/s", flush=True)
-        if not args.quick:
-            row["breakdown"] = breakdown(cfg, B, T, repeats, row["step_s"])
-            for r in row["breakdown"]:
-                print(f"    {r['component']:34s} x{r['calls']:2d} {r['seconds_per_step']:7.3f} s"
-                      f" ({100 * r['share_of_step']:5.1f}% of the step) {r['xla_gflop_per_step']:8.2f} GFLOP"
-                      f" {r.get('attention_tiles', '')}", flush=True)
+            row = {scan: hlo_ops(dataclasses.replace(cfg, scan_layers=scan), B, T) for scan in (True, False)}
+            lines = [f"{name:8s} lowered step ops: scanned {row[True]}, unrolled {row[False]}"]
+        elif args.compile_parts:
+            row = compile_parts(cfg, B, T)
+            lines = [f"{name:8s} {r['component']:34s} x{r['calls']:2d} {r['stablehlo_ops']:6d} ops | lower"
+                     f" {r['lower_cpu_s']:5.1f} s | compile {r['compile_cpu_s']:5.1f} s CPU" for r in row]
+        elif args.attention_ab:
+            row = attention_ab(cfg, args.attention_ab, args.attention_ab // 16, repeats)
+            lines = [f"{name:8s} MLA mixer fwd+bwd, T={row['T']}, {row['documents']} documents: {row['seconds']} s,"
+                     f" XLA GFLOP {row['xla_gflop']}, flash tiles {row['flash_tiles']}"]
+        elif args.head_ab:
+            row = head_ab(cfg, B, T, repeats)
+            lines = [f"{name:8s} {k:24s} cpu {r['cpu_s']:7.3f} s | wall {r['wall_s']:7.3f} s | XLA {r['xla_gflop']:7.1f}"
+                     f" GFLOP | temp {r['temp_mib']:6.0f} MiB" for k, r in row.items()]
+        elif args.moe_ab:
+            row = moe_ab(cfg, B, T, repeats)
+            lines = [f"{name:8s} MoE layer fwd+bwd: {row['seconds']} s, XLA GFLOP {row['xla_gflop']}"]
+        else:
+            row = bench_step(cfg, B, T, repeats)
+            lines = [f"{name:8s} layers {row['layers']:2d} B={B} T={T}: compile {row['compile_s']:6.1f} s | step"
+                     f" {row['step_s']:7.3f} s ({row['step_cpu_s']:.3f} s CPU, temp {row['temp_mib']:.0f} MiB) |"
+                     f" {row['tokens_per_s']:8.0f} tok/s | MFU {100 * row['mfu']:5.1f}%"
+                     f" (XLA flops {100 * row['xla_util']:5.1f}%) of {row['ceiling_gflops']:.1f} GFLOP/s"]
+            if not args.quick:
+                row["breakdown"] = breakdown(cfg, B, T, repeats, row["step_s"])
+                lines += [f"    {r['component']:34s} x{r['calls']:2d} {r['seconds_per_step']:7.3f} s"
+                          f" ({100 * r['share_of_step']:5.1f}% of the step) {r['xla_gflop_per_step']:8.2f} GFLOP"
+                          f" {r.get('attention_tiles', '')}" for r in row["breakdown"]]
+        print("\n".join(lines), flush=True)
         result["models"][name] = row
         out.write_text(json.dumps(result, indent=2))  # after every model: a long run that dies keeps its rows
     print(f"wrote {out}")

@@ -29,7 +29,6 @@ else:
     _OWN_CACHE = False
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["LINGPACK_TEST_XLA_CACHE"])
 # every program, even a tiny eager op: the other worker and the run.py subprocesses build the same small models
-# (one suite A/B: 5,879 backend compiles -> 3,214)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
@@ -50,7 +49,7 @@ HEAVY_DUPLICATES = {
 }
 
 
-# The heaviest default-suite files (process CPU seconds on the idle 2-core machine), run first: `make test`
+# The heaviest default-suite files (process CPU seconds in one idle run on the 2-core machine), run first: `make test`
 # deals whole files (`--dist loadfile`) to whichever worker is free, so a long file started last would leave
 # the other worker idle while it runs.
 HEAVY_FILES_FIRST = [

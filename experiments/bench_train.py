@@ -7,7 +7,7 @@ Models: conf/model/ling3_tiny.yaml, ling3_small.yaml, `small24` = ling3_small wi
 layers and `small4` = ling3_small with 4 (compile time against depth). Each runs the real jitted train step (`train.step.make_train_step`: forward, backward, clip,
 AdamW, expert-bias update) on one synthetic packed batch (log-normal document lengths, some padding).
 
-* compile: seconds of `lower` + `compile` of the step (tracing included).
+* compile: seconds of `lower` + `compile` of the step (tracing included), wall and process CPU.
 * step: median wall time of the compiled step; tokens/s = B*T / step.
 * MFU: the analytic training FLOPs (`train.flops.flops_per_token`, what the step log uses) per second
   over the matmul ceiling: a 1024^2 fp32 matmul measured in THIS run, interleaved with the steps (A B A B),
@@ -143,8 +143,8 @@ def xla_flops(compiled) -> float:
 
 
 def compiled_step(cfg, B: int, T: int, holder: list | None = None):
-    """(compiled train step, a `run()` that steps the state in `holder` once, compile seconds); a new state
-    unless `holder` already holds one."""
+    """(compiled train step, a `run()` that steps the state in `holder` once, (compile wall, CPU seconds)); a
+    new state unless `holder` already holds one."""
     build = lambda: Ling3(cfg, rngs=nnx.Rngs(0))
     model_def = ModelDef.from_constructor(build, cfg)
     optim = OptimConfig(decay_steps=1000)
@@ -153,9 +153,9 @@ def compiled_step(cfg, B: int, T: int, holder: list | None = None):
         holder.append(jax.jit(init_fn(build, optim, 0))())
     batch = packed_batch(B, T, cfg.vocab_size)
     step = make_train_step(model_def, LossConfig(), optim, micro_batches=1)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), cpu_seconds()
     compiled = step.lower(holder[0], batch).compile()
-    compile_s = time.perf_counter() - start
+    compile_s = (time.perf_counter() - start, cpu_seconds() - start_cpu)  # lowering + XLA compile
 
     def run():
         holder[0], metrics = compiled(holder[0], batch)
@@ -164,13 +164,14 @@ def compiled_step(cfg, B: int, T: int, holder: list | None = None):
 
 
 def bench_step(cfg, B: int, T: int, repeats: int) -> dict:
-    compiled, run, compile_s = compiled_step(cfg, B, T)
+    compiled, run, (compile_s, compile_cpu_s) = compiled_step(cfg, B, T)
     mm, mm_flops, mm_best = matmul_fn()
     cpu = {}
     times = interleaved({"step": run, "matmul": mm}, repeats, cpu)
     ceiling = mm_flops / statistics.median(mm_best)
     model_flops = flops_lib.flops_per_token(cfg, T) * B * T
-    return {"B": B, "T": T, "layers": cfg.num_layers, "compile_s": compile_s, "step_s": times["step"],
+    return {"B": B, "T": T, "layers": cfg.num_layers, "compile_s": compile_s, "compile_cpu_s": compile_cpu_s,
+            "scanned_layers": len(cfg.scanned_layers()), "step_s": times["step"],
             "step_cpu_s": cpu["step"], "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 20,
             "tokens_per_s": B * T / times["step"], "ceiling_gflops": ceiling / 1e9,
             "model_gflop_per_step": model_flops / 1e9, "xla_gflop_per_step": xla_flops(compiled) / 1e9,
@@ -398,7 +399,8 @@ def main():
             lines = [f"{name:8s} MoE layer fwd+bwd: {row['seconds']} s, XLA GFLOP {row['xla_gflop']}"]
         else:
             row = bench_step(cfg, B, T, repeats)
-            lines = [f"{name:8s} layers {row['layers']:2d} B={B} T={T}: compile {row['compile_s']:6.1f} s | step"
+            lines = [f"{name:8s} layers {row['layers']:2d} B={B} T={T}: compile {row['compile_s']:6.1f} s"
+                     f" ({row['compile_cpu_s']:.1f} s CPU) | step"
                      f" {row['step_s']:7.3f} s ({row['step_cpu_s']:.3f} s CPU, temp {row['temp_mib']:.0f} MiB) |"
                      f" {row['tokens_per_s']:8.0f} tok/s | MFU {100 * row['mfu']:5.1f}%"
                      f" (XLA flops {100 * row['xla_util']:5.1f}%) of {row['ceiling_gflops']:.1f} GFLOP/s"]

@@ -127,13 +127,13 @@ def test_q_lora_and_normalised_topk_variant():
 
 
 def test_scanned_model_converts_both_ways():
-    """A model whose MoE cycles are scanned (stacked weights) loads, runs and exports like the unrolled one."""
+    """A model whose MoE layers are scanned (stacked weights) loads, runs and exports like the unrolled one."""
     cfg = kimi_like_config(num_layers=6, inhomogeneous_layer_cycle_interval=2, mtp_num_layers=0)
-    assert cfg.scanned_layers() == (2, 2)  # layers 0-1 unrolled, 2-5 two scanned (KDA, MLA) cycles
+    assert cfg.scanned_layers() == range(1, 6)  # layer 0 (dense) unrolled, 1-5 scanned: MLA KDA MLA KDA MLA
     hf_model = transformers.KimiLinearForCausalLM(convert.kimi_config_from_ling3(cfg)).eval()
     _randomize_hf(hf_model, seed=2)
     model = Ling3(cfg, rngs=nnx.Rngs(1))
-    assert model.cycles is not None
+    assert model.stack is not None
     convert.load_hf_state_dict(model, hf_model.state_dict())
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 40))
     ref = _hf_logits(hf_model, tokens)

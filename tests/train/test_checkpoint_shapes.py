@@ -11,9 +11,9 @@ from lingpack.train.configs import CheckpointConfig
 from lingpack.train.step import TrainState
 
 
-def state(vocab: int) -> TrainState:
+def state(vocab: int, out: str = "out") -> TrainState:
     return TrainState(step=jnp.int32(2), updates=jnp.int32(2),
-                      params={"embed": jnp.ones((vocab, 3)), "out": jnp.ones(3)}, rest={"bias": jnp.zeros(2)},
+                      params={"embed": jnp.ones((vocab, 3)), out: jnp.ones(3)}, rest={"bias": jnp.zeros(2)},
                       opt_state={"mu": jnp.zeros(3)}, rng=jnp.zeros(2, jnp.uint32))
 
 
@@ -27,4 +27,9 @@ def test_restore_into_other_shapes_names_the_parameter_and_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"holds another model: embed: checkpoint \(384, 3\), this run \(512, 3\)\. "
                                           r".*follows parallel.tensor"):
         ckpt.restore(2, jax.eval_shape(lambda: state(512)), shardings)
+    # another layout (e.g. scan_layers toggled: stacked layers live under stack/): named, not Orbax's tree error
+    with pytest.raises(ConfigError, match=r"another model layout: this run's \['stack'\] \(1 in all\) are not in it, "
+                                          r"its \['out'\] \(1\) are not in this run.*scan_layers"):
+        other = state(384, out="stack")
+        ckpt.restore(2, jax.eval_shape(lambda: other), jax.tree.map(lambda _: device, other))
     ckpt.close()

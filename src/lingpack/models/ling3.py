@@ -16,13 +16,13 @@ Logical axis names on parameters (mapped to mesh axes by `train/sharding.py`):
   exp      experts (router columns, expert weights, expert bias)
   norm     norm weights
   conv     short-convolution taps
-`None` marks a replicated axis (MTP's eh_proj input, the layer-stack axes of scanned cycles). Parameters
+`None` marks a replicated axis (MTP's eh_proj input, the layer-stack axis of scanned layers). Parameters
 without weight decay: norm weights, `A_log`, `dt_bias`; `ExpertBias` variables are not parameters at all.
 
-Depth: with `scan_layers`, the whole (interval - 1) KDA + 1 MLA cycles of MoE layers live stacked in
-`cycles` (models/stack.py) and run under `lax.scan`; the layers before the first such cycle (the dense
-ones' cycle) and after the last stay unrolled in `layers`. `layer_location(i)` finds layer i's weights.
-The weights are built unrolled first, so a scanned and an unrolled model of one seed are the same model.
+Depth: with `scan_layers`, the MoE layers (all layers after the dense ones) live stacked per mixer in
+`stack` (models/stack.py) and run under one `lax.scan`; the dense layers stay unrolled in `layers`.
+`layer_location(i)` finds layer i's weights. The weights are built unrolled first, so a scanned and an
+unrolled model of one seed are the same model.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from lingpack.models.layers import DEFAULT_INIT, RMSNorm, as_dtype, partitioned
 from lingpack.models.mla import MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
 from lingpack.models.mtp import MTPConfig, MTPLayer, roll_and_mask_by_segment
-from lingpack.models.stack import STACKED_AXES, LayerCycles
+from lingpack.models.stack import LayerStack
 
 # What a remat'ed layer keeps for the backward pass (jax.checkpoint_policies); the rest is recomputed.
 REMAT_POLICIES = {
@@ -99,7 +99,7 @@ class Ling3Config:
     attention_block_size: int = 128
     remat: bool = False
     remat_policy: str = "nothing_saveable"   # with remat: see REMAT_POLICIES
-    scan_layers: bool = True                 # scan over repeated layer cycles (compile time flat in depth)
+    scan_layers: bool = True                 # one scan over the MoE layers (compile time flat in depth)
     tie_embeddings: bool = False
     kda: KDAConfig = KDAConfig()
     mla: MLAConfig = MLAConfig()
@@ -130,13 +130,11 @@ class Ling3Config:
         return [("mla" if (i + 1) % interval == 0 else "kda", "dense" if i < self.first_dense_layers else "moe")
                 for i in range(self.num_layers)]
 
-    def scanned_layers(self) -> tuple[int, int]:
-        """(first scanned layer, number of scanned cycles): whole MoE cycles from the first one after the dense
-        layers; none unless there are at least two (one cycle compiles no faster scanned)."""
-        interval = self.inhomogeneous_layer_cycle_interval
-        start = -(-self.first_dense_layers // interval) * interval
-        cycles = max(0, self.num_layers - start) // interval
-        return start, (cycles if self.scan_layers and cycles >= 2 else 0)
+    def scanned_layers(self) -> range:
+        """Main layers run by the layer scan: the MoE ones (after the dense layers), if `scan_layers` and they are at
+        least two cycles long; fewer compile faster unrolled (XLA:CPU codegen runs in parallel outside loops)."""
+        start, interval = self.first_dense_layers, self.inhomogeneous_layer_cycle_interval
+        return range(start, self.num_layers) if self.scan_layers and self.num_layers - start >= 2 * interval else range(0)
 
     def layer_spec(self, mixer: str, ffn: str) -> LayerSpec:
         kernel = KDAKernel(self.kda_impl, self.kda_chunk_size, self.kda_max_segs, self.kda_interpret)
@@ -161,10 +159,9 @@ class Ling3(nnx.Module):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                                       embedding_init=partitioned(DEFAULT_INIT, ("vocab", "embed")))
         layers = [DecoderLayer(cfg.layer_spec(m, f), **kw) for m, f in cfg.layer_kinds()]
-        start, cycles = cfg.scanned_layers()
-        stop = start + cycles * cfg.inhomogeneous_layer_cycle_interval
-        self.layers = nnx.List(layers[:start] + layers[stop:] if cycles else layers)  # the unrolled ones
-        self.cycles = LayerCycles(layers[start:stop], cfg.inhomogeneous_layer_cycle_interval) if cycles else None
+        scanned = cfg.scanned_layers()
+        self.layers = nnx.List(layers[:scanned.start] if scanned else layers)  # the unrolled ones
+        self.stack = LayerStack(layers[scanned.start:]) if scanned else None
         self.norm = RMSNorm(cfg.emb_dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(partitioned(DEFAULT_INIT, ("embed", "vocab"))(
@@ -174,13 +171,10 @@ class Ling3(nnx.Module):
 
     def layer_location(self, i: int) -> tuple[DecoderLayer, tuple[int, ...]]:
         """(module holding main layer i, index into its stack axes: () for an unrolled layer)."""
-        start, cycles = self.cfg.scanned_layers()
-        stop = start + cycles * self.cfg.inhomogeneous_layer_cycle_interval
         if not 0 <= i < self.cfg.num_layers:
             raise IndexError(f"layer {i} out of range for num_layers={self.cfg.num_layers}")
-        if start <= i < stop:
-            return self.cycles.layer(i - start)
-        return self.layers[i if i < start else i - (stop - start)], ()
+        scanned = self.cfg.scanned_layers()
+        return self.stack.location(i - scanned.start) if i in scanned else (self.layers[i], ())
 
     def moe_layers(self) -> list[tuple[MoE, tuple[int, ...]]]:
         """(MoE module, stack index) in `moe_aux` stacking order: main layers, then MTP layers."""
@@ -205,6 +199,8 @@ class Ling3(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         segment_ids_BT = segment_ids_BT.astype(jnp.int32)
 
+        policy = REMAT_POLICIES[self.cfg.remat_policy if self.cfg.remat else "everything_saveable"]
+
         def run(layer, *args):
             if not self.cfg.remat:
                 return layer(*args)
@@ -212,21 +208,16 @@ class Ling3(nnx.Module):
             # write-back fails on variables made at an outer trace level (a model merged under jit, then grad)
             graphdef, state = nnx.split(layer)
             call = lambda state, *args: nnx.merge(graphdef, state)(*args)
-            return jax.checkpoint(call, policy=REMAT_POLICIES[self.cfg.remat_policy])(state, *args)
+            return jax.checkpoint(call, policy=policy)(state, *args)
 
         emb_BTD = self.embed_tokens(inputs_BT) if input_embeddings_BTD is None else input_embeddings_BTD
         x = emb_BTD
         aux = []  # per-layer MoE statistics, each with a leading layer axis
-        stages = list(self.layers)
-        if self.cycles is not None:
-            start, _ = self.cfg.scanned_layers()
-            stages = stages[:start] + [self.cycles] + stages[start:]
-        for stage in stages:
-            if stage is self.cycles:
-                x, stacked_aux = stage(x, segment_ids_BT, positions_BT, run)
-            else:
-                x, layer_aux = run(stage, x, segment_ids_BT, positions_BT)
-                stacked_aux = None if layer_aux is None else jax.tree.map(lambda a: a[None], layer_aux)
+        for layer in self.layers:
+            x, layer_aux = run(layer, x, segment_ids_BT, positions_BT)
+            aux.append(None if layer_aux is None else jax.tree.map(lambda a: a[None], layer_aux))
+        if self.stack is not None:
+            x, stacked_aux = self.stack(x, segment_ids_BT, positions_BT, policy)
             aux.append(stacked_aux)
         logits = self.logits(x)
 
@@ -248,9 +239,8 @@ def _stack_aux(aux: list, num_experts: int) -> dict:
 
 
 def stacked_axes(path) -> int:
-    """Leading layer-stack axes of the parameter at `path` (keys of the params tree): 0 unless under `cycles`."""
-    keys = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
-    return STACKED_AXES.get(keys[1], 0) if len(keys) > 1 and keys[0] == "cycles" else 0
+    """Leading layer-stack axes of the parameter at `path` (keys of the params tree): 1 under `stack`, else 0."""
+    return int(len(path) > 1 and str(getattr(path[0], "key", getattr(path[0], "name", path[0]))) == "stack")
 
 
 def count_params(cfg: Ling3Config) -> int:

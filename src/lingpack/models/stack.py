@@ -1,10 +1,11 @@
-"""Repeated layer cycles run by a scan, so compile time does not grow with depth.
+"""The MoE layers run by one scan, so compile time does not grow with depth.
 
-A Ling3 cycle is `interval - 1` KDA layers then one MLA layer (all MoE). `LayerCycles` holds n such cycles
-with every parameter stacked: the KDA layers' as `[n, interval - 1, ...]`, the MLA layer's as `[n, ...]`.
-Its call is a scan over cycles whose body is a scan over the KDA run and then the MLA layer, so XLA
-compiles ONE KDA layer and ONE MLA layer whatever n is. Logical sharding names get `None` (replicated)
-for the stack axes.
+`LayerStack` holds the MoE layers after the dense ones (KDA and MLA mixed, in any pattern) with their
+parameters stacked per mixer: the KDA layers' as `[n_kda, ...]`, the MLA layers' as `[n_mla, ...]`. Its
+call is ONE `lax.scan` over the layers in order; the body takes layer i's weights out of its mixer's stack
+by dynamic index and runs it under `lax.cond` on the mixer, so XLA compiles one KDA and one MLA layer
+whatever the depth and the pattern, with no partial cycle left over. Logical sharding names get `None`
+(replicated) for the stack axis.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from flax import nnx
 
 from lingpack.models.block import DecoderLayer
 
-STACKED_AXES = {"kda": 2, "mla": 1}  # leading stack axes of `LayerCycles.<name>` parameters
+MIXERS = ("kda", "mla")
+# a layer's weights taken out of its stack: recomputed by the backward pass, never saved per layer (a copy)
+_WEIGHT_SLICES = (jax.lax.dynamic_slice_p, jax.lax.squeeze_p)
 
 
 def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
@@ -30,47 +33,51 @@ def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
     return nnx.merge(graphdef, stacked)
 
 
-class LayerCycles(nnx.Module):
-    """n cycles of (interval - 1) KDA layers + 1 MLA layer, built from unrolled layers (same weights)."""
+def without_weight_slices(policy):
+    """A `jax.checkpoint` policy that saves what `policy` saves, except the weights sliced out of a stack."""
+    return lambda prim, *args, **params: prim not in _WEIGHT_SLICES and policy(prim, *args, **params)
 
-    def __init__(self, layers: list[DecoderLayer], interval: int):
-        if len(layers) % interval or any(l.ffn != "moe" for l in layers):
-            raise ValueError(f"LayerCycles needs whole cycles of {interval} MoE layers; got {len(layers)} layers")
-        cycles = [layers[c:c + interval] for c in range(0, len(layers), interval)]
-        if any([l.mixer for l in c] != ["kda"] * (interval - 1) + ["mla"] for c in cycles):
-            raise ValueError(f"each cycle must be {interval - 1} KDA layers then one MLA layer")
-        self.num_cycles, self.interval = len(cycles), interval
-        self.kda = stack_modules([stack_modules(c[:-1]) for c in cycles]) if interval > 1 else None
-        self.mla = stack_modules([c[-1] for c in cycles])
 
-    def __call__(self, x_BTD, segment_ids_BT, positions_BT, run):
-        """-> (x_BTD, moe aux dict of arrays stacked in layer order [n * interval, ...]).
+class LayerStack(nnx.Module):
+    """MoE layers, built from unrolled layers (same weights), stacked per mixer and run by one scan."""
 
-        `run(layer, x, segment_ids, positions)` applies one layer (the caller's remat wrapper). The scans
-        are `lax.scan`s over the split (pure) stacked state: a layer call mutates nothing, so there is
-        nothing for NNX to write back.
+    def __init__(self, layers: list[DecoderLayer]):
+        if len(layers) < 1 or any(l.ffn != "moe" for l in layers):
+            raise ValueError(f"LayerStack takes MoE layers only; got ffns {[l.ffn for l in layers]}")
+        self.mixers = tuple(l.mixer for l in layers)
+        for mixer in MIXERS:
+            same = [l for l in layers if l.mixer == mixer]
+            setattr(self, mixer, stack_modules(same) if same else None)
+
+    def location(self, i: int) -> tuple[DecoderLayer, tuple[int]]:
+        """(stacked module, index into its stack axis) of the stack's `i`-th layer."""
+        mixer = self.mixers[i]
+        return getattr(self, mixer), (self.mixers[:i].count(mixer),)
+
+    def __call__(self, x_BTD, segment_ids_BT, positions_BT, policy):
+        """-> (x_BTD, moe aux dict of arrays stacked in layer order [n_layers, ...]).
+
+        Each layer runs under `jax.checkpoint(policy)` (wrapped by `without_weight_slices`): its residuals are
+        its input and whatever `policy` saves; the stacks are loop constants, not saved per layer.
         """
-        mla_def, mla_state = nnx.split(self.mla)
+        present = [m for m in MIXERS if getattr(self, m) is not None]
+        graphdefs, states = {}, {}
+        for mixer in present:
+            graphdefs[mixer], states[mixer] = nnx.split(getattr(self, mixer))
+        # per layer: its mixer, and the index into each stack (the last layer of that mixer so far, for the other)
+        is_mla_L = jnp.array([m == "mla" for m in self.mixers])
+        index_L = {m: jnp.array([max(0, self.mixers[:i + 1].count(m) - 1) for i in range(len(self.mixers))], jnp.int32)
+                   for m in present}
 
-        def one(graphdef, x, state):
-            return run(nnx.merge(graphdef, state), x, segment_ids_BT, positions_BT)
+        def layer(x, is_mla, index, states, segment_ids, positions):
+            # slice outside the cond: the gradient of a slice then accumulates into its stack in place
+            weights = {m: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index[m], keepdims=False), states[m])
+                       for m in present}
+            run = {m: lambda x, w, m=m: nnx.merge(graphdefs[m], w[m])(x, segment_ids, positions) for m in present}
+            if len(present) == 1:
+                return run[present[0]](x, weights)
+            return jax.lax.cond(is_mla, run["mla"], run["kda"], x, weights)
 
-        if self.kda is None:  # interval 1: every layer is MLA
-            return jax.lax.scan(lambda x, s: one(mla_def, x, s), x_BTD, mla_state)
-        kda_def, kda_state = nnx.split(self.kda)
-
-        def cycle(x, states):
-            kda_cycle, mla_layer = states
-            x, kda_aux = jax.lax.scan(lambda x, s: one(kda_def, x, s), x, kda_cycle)
-            x, mla_aux = one(mla_def, x, mla_layer)
-            return x, (kda_aux, mla_aux)
-
-        x_BTD, (kda_aux, mla_aux) = jax.lax.scan(cycle, x_BTD, (kda_state, mla_state))
-        # [n, I-1, ...] and [n, ...] -> [n * I, ...]: layer order inside each cycle, cycles in order
-        aux = jax.tree.map(lambda k, m: jnp.concatenate([k, m[:, None]], axis=1), kda_aux, mla_aux)
-        return x_BTD, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
-
-    def layer(self, index: int) -> tuple[DecoderLayer, tuple[int, ...]]:
-        """(stacked module, index into its stack axes) of the cycles' `index`-th layer."""
-        c, p = divmod(index, self.interval)
-        return (self.mla, (c,)) if p == self.interval - 1 else (self.kda, (c, p))
+        step = jax.checkpoint(layer, policy=without_weight_slices(policy))
+        return jax.lax.scan(lambda x, xs: step(x, *xs, states, segment_ids_BT, positions_BT),
+                            x_BTD, (is_mla_L, index_L))

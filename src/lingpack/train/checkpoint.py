@@ -83,10 +83,17 @@ class Checkpointer:
         except Exception:  # noqa: BLE001  metadata in another layout: Orbax's restore still checks
             return
         have, want = _shapes(stored), _shapes(params)
-        diff = [f"{k}: checkpoint {have[k]}, this run {want[k]}" for k in sorted(want)
-                if have.get(k, want[k]) != want[k]]
+        from lingpack.config import ConfigError
+        missing, unknown = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        if missing or unknown:
+            raise ConfigError(
+                f"the checkpoint at step {step} in {self.directory} holds another model layout: this run's {missing[:3]}"
+                f" ({len(missing)} in all) are not in it, its {unknown[:3]} ({len(unknown)}) are not in this run. Resume"
+                " with the model config it was written with (num_layers, first_dense_layers, mtp_num_layers,"
+                " scan_layers: scanned layers are stored stacked under stack/, checkpoints older than the layer"
+                " stack under cycles/)")
+        diff = [f"{k}: checkpoint {have[k]}, this run {want[k]}" for k in sorted(want) if have[k] != want[k]]
         if diff:
-            from lingpack.config import ConfigError
             raise ConfigError(
                 f"the checkpoint at step {step} in {self.directory} holds another model: {'; '.join(diff[:3])}"
                 f"{f' (and {len(diff) - 3} more)' if len(diff) > 3 else ''}. Resume with the model config it was "

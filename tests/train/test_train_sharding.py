@@ -64,7 +64,8 @@ def test_ling3_sharded_matches_single_device():
     from lingpack.models.ling3 import Ling3, Ling3Config
     from lingpack.models.mla import MLAConfig
     from lingpack.models.moe import MoEConfig
-    cfg = Ling3Config(vocab_size=258, emb_dim=32, num_layers=2, inhomogeneous_layer_cycle_interval=2, mlp_dim=64,
+    # layer 0 dense and unrolled, layers 1-4 (MLA KDA MLA KDA, MoE) in the layer scan's stacks
+    cfg = Ling3Config(vocab_size=258, emb_dim=32, num_layers=5, inhomogeneous_layer_cycle_interval=2, mlp_dim=64,
                       kda=KDAConfig(num_heads=2, head_dim=16), kda_chunk_size=16,
                       mla=MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
                       moe=MoEConfig(num_experts=4, top_k=2, expert_dim=16, z_loss_coef=1e-3))
@@ -74,7 +75,9 @@ def test_ling3_sharded_matches_single_device():
     g_ref, s_ref, state = _run(model_def, make, batch, None, M=1)
     grads, stats, sharded = _run(model_def, make, batch, ParallelConfig(data=1, fsdp=2, tensor=2, expert=2), M=1,
                                  from_state=state)
-    assert sharded.params["layers"][1]["mlp"]["wi_gate"].sharding.spec == P("expert", "fsdp", "tensor")
+    assert cfg.scanned_layers() == range(1, 5)
+    assert sharded.params["stack"]["kda"]["mlp"]["wi_gate"].sharding.spec == P(None, "expert", "fsdp", "tensor")
+    assert sharded.params["layers"][0]["mlp"]["up_proj"]["kernel"].sharding.spec == P("fsdp", "tensor")
     np.testing.assert_allclose(stats["objective"], s_ref["objective"], rtol=1e-5)
     np.testing.assert_allclose(stats["mtp_sum"], s_ref["mtp_sum"], rtol=1e-5)
     tree_allclose(grads, g_ref, rtol=1e-4, atol=1e-6)

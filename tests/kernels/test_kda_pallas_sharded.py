@@ -124,7 +124,8 @@ def test_train_step_with_pallas_segment_exports_for_tpu_with_fsdp_tensor():
     from lingpack.train.step import ModelDef, init_fn, make_train_step, state_shardings
 
     kernel = yaml.safe_load((ROOT / "conf/kernel/pallas_segment.yaml").read_text())
-    model = Ling3Config(vocab_size=258, emb_dim=32, num_layers=2, inhomogeneous_layer_cycle_interval=2, mlp_dim=64,
+    # 5 layers: layer 0 unrolled, 1-4 in the layer scan (the kernels also lower inside its loop and cond)
+    model = Ling3Config(vocab_size=258, emb_dim=32, num_layers=5, inhomogeneous_layer_cycle_interval=2, mlp_dim=64,
                         kda=KDAConfig(num_heads=2, head_dim=16), kda_chunk_size=16, kda_impl=kernel["name"],
                         kda_interpret=False,
                         mla=MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -144,6 +145,7 @@ def test_train_step_with_pallas_segment_exports_for_tpu_with_fsdp_tensor():
     batch = {key: jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=row) for key in
              ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")}
     module = jax.export.export(step, platforms=["tpu"])(state, batch).mlir_module()
+    assert model.scanned_layers() == range(1, 5) and "stablehlo.while" in module and "stablehlo.case" in module
     assert set(re.findall(r"kda_segment_\w+", module)) == {"kda_segment_fwd", "kda_segment_states", "kda_segment_bwd"}
     assert set(re.findall(r"manual_axes=\{[^}]*\}", module)) == {
         'manual_axes={"data", "fsdp", "tensor", "expert", "context"}'}

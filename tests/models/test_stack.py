@@ -32,11 +32,8 @@ def per_layer(model, tree=None) -> list:
     """Layer i's parameters (or the same slice of `tree`, a params-shaped state) as a pure dict, per main layer."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     view = model if tree is None else nnx.merge(graphdef, tree, rest)
-    out = []
-    for i in range(model.cfg.num_layers):
-        module, index = view.layer_location(i)
-        out.append(jax.tree.map(lambda a: a[index], nnx.state(module, nnx.Param).to_pure_dict()))
-    return out
+    slice_of = lambda module, index: jax.tree.map(lambda a: a[index], nnx.state(module, nnx.Param).to_pure_dict())
+    return [{name: slice_of(*where) for name, where in view.layer_parts(i).items()} for i in range(model.cfg.num_layers)]
 
 
 def loss_and_grads(model, batch):
@@ -104,7 +101,7 @@ def test_deep_scanned_equals_unrolled():
 def test_single_mixer_stack_equals_unrolled():
     assert MLA_ONLY.scanned_layers() == range(1, 3)
     scanned, unrolled = build(MLA_ONLY)
-    assert scanned.stack.kda is None and scanned.stack.mixers == ("mla", "mla")
+    assert scanned.stack.kda is None and scanned.stack.mixers == ("mla", "mla")  # no cond in the scan
     check_scanned_equals_unrolled(scanned, unrolled)
 
 
@@ -113,16 +110,18 @@ def test_stacked_parameters_keep_sharding_names_and_decay_rule(models):
     params = nnx.state(scanned, nnx.Param)
     specs = nnx.get_partition_spec(params).to_pure_dict()
     values = params.to_pure_dict()
-    assert values["stack"]["kda"]["mlp"]["wi_gate"].shape == (3, 4, 32, 8)   # [KDA layers, E, D, I]
+    assert values["stack"]["ffn"]["mlp"]["wi_gate"].shape == (5, 4, 32, 8)   # [layers, E, D, I]
+    assert values["stack"]["kda"]["self_attn"]["q_proj"]["kernel"].shape == (3, 32, 16)  # [KDA layers, D, H*K]
     assert values["stack"]["mla"]["self_attn"]["o_proj"]["kernel"].shape == (2, 16, 32)
-    assert tuple(specs["stack"]["kda"]["mlp"]["wi_gate"]) == (None, "exp", "embed", "mlp")
+    assert set(values["stack"]["kda"]) == {"input_layernorm", "self_attn"}
+    assert tuple(specs["stack"]["ffn"]["mlp"]["wi_gate"]) == (None, "exp", "embed", "mlp")
     assert tuple(specs["stack"]["mla"]["self_attn"]["o_proj"]["kernel"]) == (None, "heads", "embed")
     mask = decay_mask(values)
     assert mask["stack"]["kda"]["input_layernorm"]["weight"] is False          # a norm weight, stacked to 2-D
-    assert mask["stack"]["mla"]["post_attention_layernorm"]["weight"] is False
+    assert mask["stack"]["ffn"]["post_attention_layernorm"]["weight"] is False
     assert mask["stack"]["kda"]["self_attn"]["A_log"] is False
     assert mask["stack"]["mla"]["self_attn"]["kv_b_proj"]["kernel"] is True
-    assert mask["stack"]["kda"]["mlp"]["router"] is True and mask["norm"]["weight"] is False
+    assert mask["stack"]["ffn"]["mlp"]["router"] is True and mask["norm"]["weight"] is False
 
 
 def test_remat_policy_is_validated():

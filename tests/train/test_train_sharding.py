@@ -76,7 +76,7 @@ def test_ling3_sharded_matches_single_device():
     grads, stats, sharded = _run(model_def, make, batch, ParallelConfig(data=1, fsdp=2, tensor=2, expert=2), M=1,
                                  from_state=state)
     assert cfg.scanned_layers() == range(1, 5)
-    assert sharded.params["stack"]["kda"]["mlp"]["wi_gate"].sharding.spec == P(None, "expert", "fsdp", "tensor")
+    assert sharded.params["stack"]["ffn"]["mlp"]["wi_gate"].sharding.spec == P(None, "expert", "fsdp", "tensor")
     assert sharded.params["layers"][0]["mlp"]["up_proj"]["kernel"].sharding.spec == P("fsdp", "tensor")
     np.testing.assert_allclose(stats["objective"], s_ref["objective"], rtol=1e-5)
     np.testing.assert_allclose(stats["mtp_sum"], s_ref["mtp_sum"], rtol=1e-5)

@@ -52,16 +52,34 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array):
         """-> (x_BTD, moe aux dict or None)."""
-        h = self.input_layernorm(x_BTD)
-        if self.mixer == "kda":
-            h = self.self_attn(h, segment_ids_BT)
-        else:
-            h = self.self_attn(h, segment_ids_BT, positions_BT)
-        x_BTD = x_BTD + h.astype(x_BTD.dtype)
-        h = self.post_attention_layernorm(x_BTD)
-        aux = None
-        if self.ffn == "moe":
-            h, aux = self.mlp(h, segment_ids_BT)
-        else:
-            h = self.mlp(h)
-        return x_BTD + h.astype(x_BTD.dtype), aux
+        return feed(self, mix(self, x_BTD, segment_ids_BT, positions_BT), segment_ids_BT)
+
+
+MIXER_PARTS = ("input_layernorm", "self_attn")       # a layer's submodules before its residual add
+FFN_PARTS = ("post_attention_layernorm", "mlp")      # and after it
+
+
+def mix(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    """x + mixer(norm(x)) of `layer` (a DecoderLayer, or any module with its MIXER_PARTS and `mixer`)."""
+    h = layer.input_layernorm(x_BTD)
+    if layer.mixer == "kda":
+        h = layer.self_attn(h, segment_ids_BT)
+    else:
+        h = layer.self_attn(h, segment_ids_BT, positions_BT)
+    return x_BTD + h.astype(x_BTD.dtype)
+
+
+def feed(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array):
+    """(x + ffn(norm(x)), moe aux dict or None) of `layer` (a DecoderLayer, or a module with its FFN_PARTS and `ffn`)."""
+    h = layer.post_attention_layernorm(x_BTD)
+    aux = None
+    if layer.ffn == "moe":
+        h, aux = layer.mlp(h, segment_ids_BT)
+    else:
+        h = layer.mlp(h)
+    return x_BTD + h.astype(x_BTD.dtype), aux
+
+
+def parts(layer, index: tuple = (), names: tuple = MIXER_PARTS + FFN_PARTS) -> dict:
+    """{submodule name: (module, index into its stack axes)} for `names` of a layer (or of a stacked half)."""
+    return {name: (getattr(layer, name), index) for name in names}

@@ -19,10 +19,10 @@ Logical axis names on parameters (mapped to mesh axes by `train/sharding.py`):
 `None` marks a replicated axis (MTP's eh_proj input, the layer-stack axis of scanned layers). Parameters
 without weight decay: norm weights, `A_log`, `dt_bias`; `ExpertBias` variables are not parameters at all.
 
-Depth: with `scan_layers`, the MoE layers (all layers after the dense ones) live stacked per mixer in
-`stack` (models/stack.py) and run under one `lax.scan`; the dense layers stay unrolled in `layers`.
-`layer_location(i)` finds layer i's weights. The weights are built unrolled first, so a scanned and an
-unrolled model of one seed are the same model.
+Depth: with `scan_layers`, the MoE layers (all layers after the dense ones) live stacked in `stack`
+(models/stack.py: mixer halves per mixer, FFN halves in layer order) and run under one `lax.scan`; the dense
+layers stay unrolled in `layers`. `layer_parts(i)` finds layer i's submodules. The weights are built unrolled
+first, so a scanned and an unrolled model of one seed are the same model.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from flax import nnx, struct
 
 from lingpack.kernels.attention.api import IMPLS as ATTENTION_IMPLS
 from lingpack.kernels.kda import api as kda_api
-from lingpack.models.block import DecoderLayer, LayerSpec
+from lingpack.models.block import DecoderLayer, LayerSpec, parts
 from lingpack.models.kda import KDAConfig, KDAKernel
 from lingpack.models.layers import DEFAULT_INIT, RMSNorm, as_dtype, partitioned
 from lingpack.models.mla import MLAConfig
@@ -169,18 +169,18 @@ class Ling3(nnx.Module):
         mtp_ffn = "moe" if cfg.mtp.use_moe else "dense"
         self.mtp_layers = nnx.List([MTPLayer(cfg.layer_spec("mla", mtp_ffn), **kw) for _ in range(cfg.mtp_num_layers)])
 
-    def layer_location(self, i: int) -> tuple[DecoderLayer, tuple[int, ...]]:
-        """(module holding main layer i, index into its stack axes: () for an unrolled layer)."""
+    def layer_parts(self, i: int) -> dict:
+        """{submodule name (input_layernorm, self_attn, post_attention_layernorm, mlp): (module holding it for
+        main layer i, index into its stack axis: () for an unrolled layer)}."""
         if not 0 <= i < self.cfg.num_layers:
             raise IndexError(f"layer {i} out of range for num_layers={self.cfg.num_layers}")
         scanned = self.cfg.scanned_layers()
-        return self.stack.location(i - scanned.start) if i in scanned else (self.layers[i], ())
+        return self.stack.parts(i - scanned.start) if i in scanned else parts(self.layers[i])
 
     def moe_layers(self) -> list[tuple[MoE, tuple[int, ...]]]:
         """(MoE module, stack index) in `moe_aux` stacking order: main layers, then MTP layers."""
-        located = [self.layer_location(i) for i in range(self.cfg.num_layers)]
-        located += [(m.block, ()) for m in self.mtp_layers]
-        return [(block.mlp, index) for block, index in located if block.ffn == "moe"]
+        located = [self.layer_parts(i)["mlp"] for i, (_, ffn) in enumerate(self.cfg.layer_kinds()) if ffn == "moe"]
+        return located + [(m.block.mlp, ()) for m in self.mtp_layers if m.block.ffn == "moe"]
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         """Final norm, then fp32 logits (fp32 weights and product: softmax over a large vocab needs it)."""

@@ -1,11 +1,12 @@
 """The MoE layers run by one scan, so compile time does not grow with depth.
 
-`LayerStack` holds the MoE layers after the dense ones (KDA and MLA mixed, in any pattern) with their
-parameters stacked per mixer: the KDA layers' as `[n_kda, ...]`, the MLA layers' as `[n_mla, ...]`. Its
-call is ONE `lax.scan` over the layers in order; the body takes layer i's weights out of its mixer's stack
-by dynamic index and runs it under `lax.cond` on the mixer, so XLA compiles one KDA and one MLA layer
-whatever the depth and the pattern, with no partial cycle left over. Logical sharding names get `None`
-(replicated) for the stack axis.
+`LayerStack` holds the MoE layers after the dense ones (KDA and MLA mixed, in any pattern), each split at
+its residual add: the mixer halves (input norm + KDA or MLA) stacked per mixer, `kda` `[n_kda, ...]` and
+`mla` `[n_mla, ...]`, the FFN halves (post-attention norm + MoE) stacked in layer order, `ffn` `[n, ...]`.
+Its call is ONE `lax.scan` over the layers: the body takes layer i's mixer weights out of its mixer's stack
+by dynamic index and runs the mixer under `lax.cond`, then the MoE with the scanned FFN slice. XLA compiles
+one KDA mixer, one MLA mixer and one MoE whatever the depth and the pattern, with no partial cycle left
+over. Logical sharding names get `None` (replicated) for the stack axis.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lingpack.models.block import DecoderLayer
+from lingpack.models.block import FFN_PARTS, MIXER_PARTS, DecoderLayer, feed, mix, parts
 
 MIXERS = ("kda", "mla")
 # a layer's weights taken out of its stack: recomputed by the backward pass, never saved per layer (a copy)
@@ -38,46 +39,56 @@ def without_weight_slices(policy):
     return lambda prim, *args, **params: prim not in _WEIGHT_SLICES and policy(prim, *args, **params)
 
 
+class LayerHalf(nnx.Module):
+    """Some submodules of a built DecoderLayer (its mixer's or its FFN's half), moved here, and its kinds."""
+
+    def __init__(self, layer: DecoderLayer, names: tuple[str, ...]):
+        self.mixer, self.ffn = layer.mixer, layer.ffn
+        for name in names:
+            setattr(self, name, getattr(layer, name))
+
+
 class LayerStack(nnx.Module):
-    """MoE layers, built from unrolled layers (same weights), stacked per mixer and run by one scan."""
+    """MoE layers, built from unrolled layers (same weights), stacked in halves and run by one scan."""
 
     def __init__(self, layers: list[DecoderLayer]):
         if len(layers) < 1 or any(l.ffn != "moe" for l in layers):
             raise ValueError(f"LayerStack takes MoE layers only; got ffns {[l.ffn for l in layers]}")
         self.mixers = tuple(l.mixer for l in layers)
         for mixer in MIXERS:
-            same = [l for l in layers if l.mixer == mixer]
+            same = [LayerHalf(l, MIXER_PARTS) for l in layers if l.mixer == mixer]
             setattr(self, mixer, stack_modules(same) if same else None)
+        self.ffn = stack_modules([LayerHalf(l, FFN_PARTS) for l in layers])
 
-    def location(self, i: int) -> tuple[DecoderLayer, tuple[int]]:
-        """(stacked module, index into its stack axis) of the stack's `i`-th layer."""
+    def parts(self, i: int) -> dict:
+        """{submodule name: (stacked module, index into its stack axis)} of the stack's `i`-th layer."""
         mixer = self.mixers[i]
-        return getattr(self, mixer), (self.mixers[:i].count(mixer),)
+        return parts(getattr(self, mixer), (self.mixers[:i].count(mixer),), MIXER_PARTS) | parts(self.ffn, (i,), FFN_PARTS)
 
     def __call__(self, x_BTD, segment_ids_BT, positions_BT, policy):
         """-> (x_BTD, moe aux dict of arrays stacked in layer order [n_layers, ...]).
 
         Each layer runs under `jax.checkpoint(policy)` (wrapped by `without_weight_slices`): its residuals are
-        its input and whatever `policy` saves; the stacks are loop constants, not saved per layer.
+        its input and whatever `policy` saves; the mixer stacks are loop constants, not saved per layer.
         """
         present = [m for m in MIXERS if getattr(self, m) is not None]
         graphdefs, states = {}, {}
         for mixer in present:
             graphdefs[mixer], states[mixer] = nnx.split(getattr(self, mixer))
-        # per layer: its mixer, and the index into each stack (the last layer of that mixer so far, for the other)
+        ffn_def, ffn_state = nnx.split(self.ffn)
+        # per layer: its mixer, and the index into each mixer stack (the last layer of that mixer so far, for the other)
         is_mla_L = jnp.array([m == "mla" for m in self.mixers])
         index_L = {m: jnp.array([max(0, self.mixers[:i + 1].count(m) - 1) for i in range(len(self.mixers))], jnp.int32)
                    for m in present}
 
-        def layer(x, is_mla, index, states, segment_ids, positions):
-            # slice outside the cond: the gradient of a slice then accumulates into its stack in place
+        def layer(x, is_mla, index, ffn_weights, states, segment_ids, positions):
+            # mixer weights sliced outside the cond: a slice's gradient then accumulates into its stack in place
             weights = {m: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index[m], keepdims=False), states[m])
                        for m in present}
-            run = {m: lambda x, w, m=m: nnx.merge(graphdefs[m], w[m])(x, segment_ids, positions) for m in present}
-            if len(present) == 1:
-                return run[present[0]](x, weights)
-            return jax.lax.cond(is_mla, run["mla"], run["kda"], x, weights)
+            run = {m: lambda x, w, m=m: mix(nnx.merge(graphdefs[m], w[m]), x, segment_ids, positions) for m in present}
+            x = run[present[0]](x, weights) if len(present) == 1 else jax.lax.cond(is_mla, run["mla"], run["kda"], x, weights)
+            return feed(nnx.merge(ffn_def, ffn_weights), x, segment_ids)
 
         step = jax.checkpoint(layer, policy=without_weight_slices(policy))
         return jax.lax.scan(lambda x, xs: step(x, *xs, states, segment_ids_BT, positions_BT),
-                            x_BTD, (is_mla_L, index_L))
+                            x_BTD, (is_mla_L, index_L, ffn_state))

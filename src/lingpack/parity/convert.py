@@ -17,8 +17,8 @@ Port differences handled here (transformers `models/kimi_linear/modeling_kimi_li
 * linear weights are `[out, in]` there, kernels `[in, out]` here. MTP layers have no counterpart in
   KimiLinear: `to_hf_state_dict(mtp=True)` names them for the parity reference (`parity/reference_model.py`),
   `load_hf_state_dict` leaves them untouched.
-* scanned layers (`Ling3Config.scan_layers`) hold layer i as one slice of stacked weights:
-  `Ling3.layer_location(i)` gives the module and the slice, so the table is the same.
+* scanned layers (`Ling3Config.scan_layers`) hold layer i's submodules as slices of stacked weights:
+  `Ling3.layer_parts(i)` gives each submodule's module and slice, so the table is the same.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from lingpack.models.block import parts as block_parts
 from lingpack.models.kda import KDAConfig
 from lingpack.models.ling3 import Ling3, Ling3Config
 from lingpack.models.mla import MLAConfig
@@ -115,18 +116,17 @@ def _pairs(model: Ling3, mtp: bool = False):
     if not cfg.tie_embeddings:
         yield [top("lm_head")], "lm_head.weight", T
     for i, (mixer, ffn) in enumerate(cfg.layer_kinds()):
-        layer, index = model.layer_location(i)
-        yield from _layer_pairs(cfg, layer, index, mixer, ffn, f"model.layers.{i}.")
+        yield from _layer_pairs(cfg, model.layer_parts(i), mixer, ffn, f"model.layers.{i}.")
     for d, mtp_layer in enumerate(model.mtp_layers if mtp else []):
         for norm in ("enorm", "hnorm"):
             yield [(mtp_layer, (norm, "weight"), ())], f"mtp.{d}.{norm}.weight", lambda a: a
         yield [(mtp_layer, ("eh_proj", "kernel"), ())], f"mtp.{d}.eh_proj.weight", T
-        yield from _layer_pairs(cfg, mtp_layer.block, (), "mla", mtp_layer.block.ffn, f"mtp.{d}.block.")
+        yield from _layer_pairs(cfg, block_parts(mtp_layer.block), "mla", mtp_layer.block.ffn, f"mtp.{d}.block.")
 
 
-def _layer_pairs(cfg: Ling3Config, layer, index, mixer: str, ffn: str, hf: str):
-    """`_pairs` for one decoder layer (`layer` at stack `index`) under the transformers prefix `hf`."""
-    ours = lambda *path: (layer, path, index)
+def _layer_pairs(cfg: Ling3Config, parts: dict, mixer: str, ffn: str, hf: str):
+    """`_pairs` for one decoder layer (`parts`: `Ling3.layer_parts`) under the transformers prefix `hf`."""
+    ours = lambda part, *path: (parts[part][0], path, parts[part][1])
     for norm in ("input_layernorm", "post_attention_layernorm"):
         yield [ours(norm, "weight")], hf + norm + ".weight", lambda a: a
     attn = lambda *path: ours("self_attn", *path)
@@ -258,7 +258,7 @@ def _rope_order(cfg: MLAConfig) -> np.ndarray:
 
 def mla_to_deepseek_v3(mla, index: tuple = ()) -> dict[str, np.ndarray]:
     """fp32 numpy state dict of a DeepseekV3Attention (its own parameter names) computing lingpack's `mla`
-    (`index`: the layer's slice of a scanned stack, `Ling3.layer_location`).
+    (`index`: the layer's slice of a scanned stack, `Ling3.layer_parts`).
 
     Linear kernels `[in, out]` become weights `[out, in]`; the rope rows of q (per head) and of the shared
     key are put in DeepSeek-V3's order (`_rope_order`), which permutes q and k alike: scores are unchanged."""

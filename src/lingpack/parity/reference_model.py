@@ -127,11 +127,11 @@ def reference_state_dict(jax_model) -> dict[str, np.ndarray]:
     """fp32 numpy tensors keyed by `Ling3Reference`'s names holding `jax_model`'s weights (or gradients)."""
     sd = convert.to_hf_state_dict(jax_model, mtp=True)
     if jax_model.cfg.mla.rope_type == "rope":   # DeepseekV3Attention's rope feature order (convert._rope_order)
-        located = [(f"model.layers.{i}.", *jax_model.layer_location(i)) for i, (mixer, _) in
+        located = [(f"model.layers.{i}.", *jax_model.layer_parts(i)["self_attn"]) for i, (mixer, _) in
                    enumerate(jax_model.cfg.layer_kinds()) if mixer == "mla"]
-        located += [(f"mtp.{d}.block.", m.block, ()) for d, m in enumerate(jax_model.mtp_layers)]
-        for prefix, block, index in located:
-            sd.update({prefix + "self_attn." + k: v for k, v in convert.mla_to_deepseek_v3(block.self_attn, index).items()})
+        located += [(f"mtp.{d}.block.", m.block.self_attn, ()) for d, m in enumerate(jax_model.mtp_layers)]
+        for prefix, attn, index in located:
+            sd.update({prefix + "self_attn." + k: v for k, v in convert.mla_to_deepseek_v3(attn, index).items()})
     return sd
 
 

@@ -33,7 +33,8 @@ def per_layer(model, tree=None) -> list:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     view = model if tree is None else nnx.merge(graphdef, tree, rest)
     slice_of = lambda module, index: jax.tree.map(lambda a: a[index], nnx.state(module, nnx.Param).to_pure_dict())
-    return [{name: slice_of(*where) for name, where in view.layer_parts(i).items()} for i in range(model.cfg.num_layers)]
+    return [{name: slice_of(*where) for name, where in view.layer_parts(i).items()}
+            for i in range(model.cfg.num_layers)]
 
 
 def loss_and_grads(model, batch):

@@ -70,7 +70,7 @@ def mix(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Ar
 
 
 def feed(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array):
-    """(x + ffn(norm(x)), moe aux dict or None) of `layer` (a DecoderLayer, or a module with its FFN_PARTS and `ffn`)."""
+    """(x + ffn(norm(x)), moe aux or None) of `layer` (a DecoderLayer, or any module with its FFN_PARTS and `ffn`)."""
     h = layer.post_attention_layernorm(x_BTD)
     aux = None
     if layer.ffn == "moe":

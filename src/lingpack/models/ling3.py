@@ -134,7 +134,8 @@ class Ling3Config:
         """Main layers run by the layer scan: the MoE ones (after the dense layers), if `scan_layers` and they are at
         least two cycles long; fewer compile faster unrolled (XLA:CPU codegen runs in parallel outside loops)."""
         start, interval = self.first_dense_layers, self.inhomogeneous_layer_cycle_interval
-        return range(start, self.num_layers) if self.scan_layers and self.num_layers - start >= 2 * interval else range(0)
+        scan = self.scan_layers and self.num_layers - start >= 2 * interval
+        return range(start, self.num_layers) if scan else range(0)
 
     def layer_spec(self, mixer: str, ffn: str) -> LayerSpec:
         kernel = KDAKernel(self.kda_impl, self.kda_chunk_size, self.kda_max_segs, self.kda_interpret)

@@ -63,7 +63,8 @@ class LayerStack(nnx.Module):
     def parts(self, i: int) -> dict:
         """{submodule name: (stacked module, index into its stack axis)} of the stack's `i`-th layer."""
         mixer = self.mixers[i]
-        return parts(getattr(self, mixer), (self.mixers[:i].count(mixer),), MIXER_PARTS) | parts(self.ffn, (i,), FFN_PARTS)
+        index = (self.mixers[:i].count(mixer),)
+        return parts(getattr(self, mixer), index, MIXER_PARTS) | parts(self.ffn, (i,), FFN_PARTS)
 
     def __call__(self, x_BTD, segment_ids_BT, positions_BT, policy):
         """-> (x_BTD, moe aux dict of arrays stacked in layer order [n_layers, ...]).
@@ -86,7 +87,10 @@ class LayerStack(nnx.Module):
             weights = {m: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index[m], keepdims=False), states[m])
                        for m in present}
             run = {m: lambda x, w, m=m: mix(nnx.merge(graphdefs[m], w[m]), x, segment_ids, positions) for m in present}
-            x = run[present[0]](x, weights) if len(present) == 1 else jax.lax.cond(is_mla, run["mla"], run["kda"], x, weights)
+            if len(present) == 1:
+                x = run[present[0]](x, weights)
+            else:
+                x = jax.lax.cond(is_mla, run["mla"], run["kda"], x, weights)
             return feed(nnx.merge(ffn_def, ffn_weights), x, segment_ids)
 
         step = jax.checkpoint(layer, policy=without_weight_slices(policy))

@@ -87,11 +87,11 @@ class Checkpointer:
         missing, unknown = sorted(set(want) - set(have)), sorted(set(have) - set(want))
         if missing or unknown:
             raise ConfigError(
-                f"the checkpoint at step {step} in {self.directory} holds another model layout: this run's {missing[:3]}"
-                f" ({len(missing)} in all) are not in it, its {unknown[:3]} ({len(unknown)}) are not in this run. Resume"
-                " with the model config it was written with (num_layers, first_dense_layers, mtp_num_layers,"
-                " scan_layers: scanned layers are stored stacked under stack/ (kda, mla, ffn), checkpoints older than the layer"
-                " stack under cycles/)")
+                f"the checkpoint at step {step} in {self.directory} holds another model layout: this run's"
+                f" {missing[:3]} ({len(missing)} in all) are not in it, its {unknown[:3]} ({len(unknown)}) are not"
+                " in this run. Resume with the model config it was written with (num_layers, first_dense_layers,"
+                " mtp_num_layers, scan_layers: scanned layers are stored stacked under stack/ (kda, mla, ffn),"
+                " checkpoints older than the layer stack under cycles/)")
         diff = [f"{k}: checkpoint {have[k]}, this run {want[k]}" for k in sorted(want) if have[k] != want[k]]
         if diff:
             raise ConfigError(

@@ -25,8 +25,6 @@ import jax.numpy as jnp
 from lingpack.kernels.kda import segments
 from lingpack.kernels.kda.gate import SUB_CHUNK, check_chunk_size  # decays factored per sub-chunk
 
-ANY_GATE_BASE = 4  # smallest blocks of the any-gate decay products, whose pairs are formed explicitly
-
 
 def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
     """A_qk[c,i] = sum_d q_cd k_id exp(G_cd - G_id) (i <= c) and A_kk (same with k, i < c), both zero unless c
@@ -36,17 +34,18 @@ def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
     exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so the chunk is split in halves recursively: the
     lower-left quarter of a block (rows in its 2nd half, columns in its 1st) is split at r = the block's middle
     row, exp(G_c - G_r) exp(G_r - G_i), both <= 1 for any gate: one batched matmul per level (a pair can only be
-    kept if r shares its segment, so other factors are zeroed). Base blocks of `base` tokens: with `safe_gate`
-    (every g >= -5) split at each token's segment start inside the block (a factor <= exp(5 * 15), far below
-    fp32's exp(88)); without it the pairs are formed explicitly. Exponents are masked BEFORE exp (NaN-free
-    gradients). q and k rows are interleaved so each level is one matmul for both products.
+    kept if r shares its segment, so other factors are zeroed). Base blocks: with `safe_gate` (every g >= -5),
+    `sub` tokens split at each token's segment start inside the block (a factor <= exp(5 * 15), far below
+    fp32's exp(88)); without it single tokens (the diagonal q_c . k_c; halving down to 1 token was faster on
+    CPU than forming 4x4 pairs explicitly). Exponents are masked BEFORE exp (NaN-free gradients). q and k rows
+    are interleaved so each level is one matmul for both products.
     """
     *outer, C, K = q_NCK.shape
     # one batch axis: a YNN fused transpose of XLA:CPU segfaulted on the 8-9-dim arrays of [B, N, H] (jaxlib 0.10.2)
     q_NCK, k_NCK, G_NCK = [a.reshape(-1, C, K) for a in (q_NCK, k_NCK, G_NCK)]
     seg_NC = jnp.broadcast_to(seg_NC, (*outer, C)).reshape(-1, C)
     P = q_NCK.shape[0]
-    base = sub if safe_gate else min(ANY_GATE_BASE, sub)
+    base = sub if safe_gate else 1
     size = base * 2 ** max(0, (C // base - 1).bit_length())     # halvable size >= C; pad rows/cols are masked
     if size != C:
         q_NCK, k_NCK, G_NCK = [jnp.pad(a, [(0, 0), (0, size - C), (0, 0)]) for a in (q_NCK, k_NCK, G_NCK)]
@@ -66,10 +65,9 @@ def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
         pos = jnp.exp(G_b - G_ref)                                       # exponent <= 0
         A = jnp.einsum("...cxk,...ik->...cxi", jnp.stack([q_b * pos, k_b * pos], -2),
                        k_b * jnp.exp(G_ref - G_b))                       # exponent in [0, 75]
-    else:
-        decay = jnp.exp(jnp.where(incl[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0))
-        kd = decay * k_b[..., None, :, :]
-        A = jnp.stack([jnp.einsum("...ck,...cik->...ci", x, kd) for x in (q_b, k_b)], -2)
+    else:  # 1-token blocks: a token's own pair has no decay, q_c . k_c (A_kk is strictly lower)
+        diag = jnp.einsum("...ck,...ck->...c", q_b, k_b)
+        A = jnp.stack([diag, jnp.zeros_like(diag)], -1)[..., None]
     A = jnp.where(mask, A, 0.0)                                          # [.., n, s, 2, s]
     s = base
     while s < size:

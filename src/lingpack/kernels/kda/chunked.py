@@ -115,13 +115,35 @@ def _inverse_fwd(L_CC):
     return X, X
 
 
-def _inverse_bwd(X_CC, dX_CC):
+def _inverse_cotangent(X_CC, dX_CC):
     Xt = jnp.swapaxes(X_CC, -1, -2)
     # d(M^-1) = -M^-1 dM M^-1 with M = I + L; only the strictly lower entries of L are free.
-    return (jnp.tril(-(Xt @ dX_CC @ Xt), -1),)
+    return jnp.tril(-(Xt @ dX_CC @ Xt), -1)
 
 
-unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+unit_lower_inverse.defvjp(_inverse_fwd, lambda X, dX: (_inverse_cotangent(X, dX),))
+
+
+@jax.custom_vjp
+def beta_inverse(A_kk_CC, beta_C):
+    """Tm = (I + Diag(beta) A_kk)^-1 Diag(beta) for strictly lower A_kk. Its VJP forms beta's gradient as batched
+    dot products: autodiff's broadcast multiplies turn into fused multiply + reduce, ~10x slower on XLA:CPU."""
+    return _beta_inverse_fwd(A_kk_CC, beta_C)[0]
+
+
+def _beta_inverse_fwd(A_kk, beta):
+    X = unit_lower_inverse(beta[..., :, None] * A_kk)
+    return X * beta[..., None, :], (A_kk, beta, X)
+
+
+def _beta_inverse_bwd(res, dT):
+    A_kk, beta, X = res
+    dL = _inverse_cotangent(X, dT * beta[..., None, :])
+    d_beta = jnp.einsum("...ci,...ci->...i", dT, X) + jnp.einsum("...ci,...ci->...c", dL, A_kk)
+    return dL * beta[..., :, None], d_beta
+
+
+beta_inverse.defvjp(_beta_inverse_fwd, _beta_inverse_bwd)
 
 
 @jax.custom_vjp
@@ -187,9 +209,7 @@ def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
         G = jnp.einsum("...ci,...ik->...ck", prefix, g, precision="highest")
     A = _decay_products(q, k, G, seg_C, sub=sub, safe_gate=safe_gate)
     A_qk, A_kk = A[..., :, 0, :], A[..., :, 1, :]
-    lower = beta[..., :, None] * A_kk
-    # Tm = (I + L)^-1 Diag(beta), L strictly lower (block-diagonal per segment).
-    t_mat = unit_lower_inverse(lower) * beta[..., None, :]
+    t_mat = beta_inverse(A_kk, beta)   # block-diagonal per segment, as A_kk
     w = t_mat @ (jnp.exp(G) * k)
     u = t_mat @ v
     G_last = G[..., -1:, :]

@@ -65,12 +65,11 @@ def main():
     pre = ch._intra_chunk(qc, kc, vc, gc, bc, seg, sub=16, safe_gate=True)
     major = lambda a: jnp.moveaxis(a, 1, 0)
 
-    def inter(u, w, k_out, decay_last, q_decay, a_qk):  # the scan and the batched outputs, as in the kernel
+    def inter(u, w, k_out, decay_last, q_decay, a_qk):  # the scan with the outputs, as in the kernel
         table = jnp.zeros((B + 1, H, K, V))
         idx = jnp.full((N, B), B, jnp.int32).at[0].set(jnp.arange(B))
         r = jnp.broadcast_to((jnp.arange(N) > 0)[:, None], (N, B)).astype(jnp.float32)
-        states, v_new, _ = ch.chunk_states(table, idx, r, u, w, k_out, decay_last)
-        return q_decay @ states + a_qk @ v_new
+        return ch.chunk_scan(table, idx, r, u, w, k_out, decay_last, q_decay, a_qk)[0]
 
     whole = lambda safe: lambda q, k, v, g, b: ch.chunked_segment_native(
         q, k, v, g, b, segment_ids_BT=jnp.ones((B, T), jnp.int32), scale=K ** -0.5,

@@ -13,14 +13,15 @@ Per chunk of C tokens, with G the cumsum of g within the chunk and the token's s
   `segments.aligned_length` tokens, reset the state at chunks that start a segment, gather back.
 
 Padding tokens and alignment filler are no-ops (k = v = g = beta = 0), so they never touch the state.
-Gradients come from autodiff of this code, except two closed-form VJPs: the triangular inverse, and the
-inter-chunk recurrence (`chunk_states`: only the transposed recurrence runs in a loop).
+Gradients come from autodiff of this code, except closed-form VJPs: the triangular inverse with beta
+(`beta_inverse`), and the inter-chunk recurrence with the outputs (`chunk_scan`: every product in the loop).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from lingpack.kernels.kda import segments
 from lingpack.kernels.kda.gate import SUB_CHUNK, check_chunk_size  # decays factored per sub-chunk
@@ -147,48 +148,56 @@ beta_inverse.defvjp(_beta_inverse_fwd, _beta_inverse_bwd)
 
 
 @jax.custom_vjp
-def chunk_states(table_RHKV, idx_NL, r_NL, u_NLHCV, w_NLHCK, k_NLHCK, decay_NLHK):
-    """The inter-chunk recurrence over N chunks of L independent lanes (the only sequential part):
-        S_in[n] = r[n] S_out[n-1] + table[idx[n]];   v[n] = u[n] - w[n] S_in[n];
+def chunk_scan(table_RHKV, idx_NL, r_NL, u_NLHCV, w_NLHCK, k_NLHCK, decay_NLHK, q_NLHCK, a_NLHCC):
+    """The inter-chunk recurrence over N chunks of L independent lanes (the only sequential part), and the outputs:
+        S_in[n] = r[n] S_out[n-1] + table[idx[n]];   v[n] = u[n] - w[n] S_in[n];   o[n] = q[n] S_in[n] + a[n] v[n]
         S_out[n] = decay[n] S_in[n] + k[n]^T v[n]            (S_out[-1] = 0; r is 0/1)
-    Returns S_in [N, L, H, K, V], v [N, L, H, C, V] and S_out[N - 1]. Its VJP runs only the transposed
-    recurrence in the loop (2 matmuls a step) and forms the weight gradients outside as batched matmuls.
+    Returns o [N, L, H, C, V], S_in [N, L, H, K, V], v [N, L, H, C, V] and S_out[N - 1]. Every product runs inside
+    the loop, forward and backward, while the chunk's state is in cache (batched over all chunks, the [K, V] states
+    stream from memory: ~2x slower on CPU); only the transposed recurrence is sequential in the backward.
     """
-    return _chunk_states_fwd(table_RHKV, idx_NL, r_NL, u_NLHCV, w_NLHCK, k_NLHCK, decay_NLHK)[0]
+    return _chunk_scan(table_RHKV, idx_NL, r_NL, u_NLHCV, w_NLHCK, k_NLHCK, decay_NLHK, q_NLHCK, a_NLHCC)[0]
 
 
-def _chunk_states_fwd(table, idx, r, u, w, k, decay):
+def _chunk_scan(table, idx, r, u, w, k, decay, q, a):
     def step(S_LHKV, x):
-        idx_L, r_L, u_n, w_n, k_n, d_n = x
+        idx_L, r_L, u_n, w_n, k_n, d_n, q_n, a_n = x
         S_in = r_L[:, None, None, None] * S_LHKV + table[idx_L]
         v_n = u_n - w_n @ S_in
-        return d_n[..., None] * S_in + jnp.swapaxes(k_n, -1, -2) @ v_n, (S_in, v_n)
+        S_out = d_n[..., None] * S_in + jnp.swapaxes(k_n, -1, -2) @ v_n
+        return S_out, (q_n @ S_in + a_n @ v_n, S_in, v_n)
 
     S0 = jnp.zeros((idx.shape[1], *table.shape[1:]), table.dtype)
-    S_last, (S_in, v) = jax.lax.scan(step, S0, (idx, r, u, w, k, decay))
-    return (S_in, v, S_last), (table, idx, r, w, k, decay, S_in, v)
+    S_last, (o, S_in, v) = jax.lax.scan(step, S0, (idx, r, u, w, k, decay, q, a))
+    return (o, S_in, v, S_last), (table, idx, r, w, k, decay, q, a, S_in, v)
 
 
-def _chunk_states_bwd(res, cts):
-    table, idx, r, w, k, decay, S_in, v = res
-    dS_in_ext, dv_ext, dS_last = cts
+def _chunk_scan_fwd(*primals):  # symbolic zeros: the outputs a caller drops (S_in, v) add no work backward
+    return _chunk_scan(*(p.value for p in primals))
+
+
+def _chunk_scan_bwd(res, cts):
+    table, idx, r, w, k, decay, q, a, S_in, v = res
+    do, dS_in_ext, dv_ext, dS_last = cts
+    tr = lambda x: jnp.swapaxes(x, -1, -2)
+    extra = {n: c for n, c in (("dS_in", dS_in_ext), ("dv", dv_ext)) if not isinstance(c, SymbolicZero)}
 
     def step(carry, x):
         dS_out, d_table = carry                              # dS_out: gradient of S_out[n]
-        idx_L, r_L, w_n, k_n, d_n, dS_in_n, dv_n = x
-        dv = dv_n + k_n @ dS_out
-        dS_in = d_n[..., None] * dS_out + dS_in_n - jnp.swapaxes(w_n, -1, -2) @ dv
-        return (r_L[:, None, None, None] * dS_in, d_table.at[idx_L].add(dS_in)), (dS_out, dv)
+        idx_L, r_L, w_n, k_n, d_n, q_n, a_n, S_n, v_n, do_n, ext = x
+        dv = k_n @ dS_out + tr(a_n) @ do_n + ext.get("dv", 0.0)
+        dS_in = d_n[..., None] * dS_out + tr(q_n) @ do_n - tr(w_n) @ dv + ext.get("dS_in", 0.0)
+        grads = (dv, -(dv @ tr(S_n)), v_n @ tr(dS_out), jnp.einsum("...kv,...kv->...k", S_n, dS_out),
+                 do_n @ tr(S_n), do_n @ tr(v_n))
+        return (r_L[:, None, None, None] * dS_in, d_table.at[idx_L].add(dS_in)), grads
 
-    (_, d_table), (dS_out, dv) = jax.lax.scan(step, (dS_last, jnp.zeros_like(table)),
-                                              (idx, r, w, k, decay, dS_in_ext, dv_ext), reverse=True)
-    dw = -(dv @ jnp.swapaxes(S_in, -1, -2))
-    dk = v @ jnp.swapaxes(dS_out, -1, -2)
-    d_decay = jnp.einsum("...kv,...kv->...k", S_in, dS_out)  # XLA:CPU's fused multiply-reduce is ~20x slower
-    return d_table, None, None, dv, dw, dk, d_decay
+    dS_last = jnp.zeros_like(table[0:1].repeat(idx.shape[1], 0)) if isinstance(dS_last, SymbolicZero) else dS_last
+    (_, d_table), (du, dw, dk, d_decay, dq, da) = jax.lax.scan(
+        step, (dS_last, jnp.zeros_like(table)), (idx, r, w, k, decay, q, a, S_in, v, do, extra), reverse=True)
+    return d_table, None, None, du, dw, dk, d_decay, dq, da
 
 
-chunk_states.defvjp(_chunk_states_fwd, _chunk_states_bwd)
+chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd, symbolic_zeros=True)
 
 
 def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
@@ -274,10 +283,9 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
     table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
     idx_NB = jnp.full((n_chunks, B), B, jnp.int32).at[0].set(jnp.arange(B))
     r_NB = jnp.broadcast_to((jnp.arange(n_chunks) > 0)[:, None], (n_chunks, B)).astype(jnp.float32)
-    states_NBHKV, v_new_NBHCV, final_BHKV = chunk_states(table, idx_NB, r_NB, chunk_major["u"], chunk_major["w"],
-                                                         chunk_major["k_out"], decay_NBHK)
-    # Outputs need no recurrence: one batched matmul over all chunks once the entering states are known.
-    o_NBHCV = chunk_major["q_decay"] @ states_NBHKV + chunk_major["a_qk"] @ v_new_NBHCV
+    o_NBHCV, _, _, final_BHKV = chunk_scan(table, idx_NB, r_NB, chunk_major["u"], chunk_major["w"],
+                                           chunk_major["k_out"], decay_NBHK, chunk_major["q_decay"],
+                                           chunk_major["a_qk"])
     o_BTHV = _from_chunks(jnp.moveaxis(o_NBHCV, 0, 1))[:, :T]
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV
 
@@ -308,16 +316,15 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
     chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
     reset_N1 = plan.chunk_starts_seg[:, None]
     idx_N1 = jnp.where(reset_N1, plan.chunk_init_row[:, None], B).astype(jnp.int32)
-    states_N1HKV, v_new_N1HCV, _ = chunk_states(init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32),
-                                                chunk_major["u"], chunk_major["w"], chunk_major["k_out"],
-                                                chunk_major["decay_last"])
+    o_N1HCV, states_N1HKV, v_new_N1HCV, _ = chunk_scan(
+        init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32), chunk_major["u"], chunk_major["w"],
+        chunk_major["k_out"], chunk_major["decay_last"], chunk_major["q_decay"], chunk_major["a_qk"])
     # Each row's final state: the state leaving the chunk that holds the end of its last segment.
     at = lambda a: jnp.take(a[:, 0], jnp.maximum(row_final_chunk, 0), axis=0)   # [B, ...]
     leaving = at(chunk_major["decay_last"])[..., None] * at(states_N1HKV) + jnp.swapaxes(
         at(chunk_major["k_out"]), -1, -2) @ at(v_new_N1HCV)
     final_BHKV = jnp.where((row_final_chunk >= 0)[:, None, None, None], leaving,
                            initial_state_BHKV.astype(jnp.float32))
-    o_N1HCV = chunk_major["q_decay"] @ states_N1HKV + chunk_major["a_qk"] @ v_new_N1HCV  # batched, outside the scan
     o_flat = _from_chunks(jnp.moveaxis(o_N1HCV, 0, 1))[0]                  # [T_new, H, V]
     o_BTHV = jnp.take(o_flat, plan.dest, axis=0, mode="fill", fill_value=0.0).reshape(B, T, H, V)
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV

@@ -65,11 +65,13 @@ def main():
     pre = ch._intra_chunk(qc, kc, vc, gc, bc, seg, sub=16, safe_gate=True)
     major = lambda a: jnp.moveaxis(a, 1, 0)
 
-    def inter(u, w, k_out, decay_last, q_decay, a_qk):  # the scan with the outputs, as in the kernel
+    names = ("v", "k_decay", "t_mat", "k_out", "decay_last", "q_decay", "a_qk")
+
+    def inter(*chunk_major):  # the scan with the outputs, as in the kernel
         table = jnp.zeros((B + 1, H, K, V))
         idx = jnp.full((N, B), B, jnp.int32).at[0].set(jnp.arange(B))
         r = jnp.broadcast_to((jnp.arange(N) > 0)[:, None], (N, B)).astype(jnp.float32)
-        return ch.chunk_scan(table, idx, r, u, w, k_out, decay_last, q_decay, a_qk)[0]
+        return ch.chunk_scan(table, idx, r, *chunk_major)[0]
 
     whole = lambda safe: lambda q, k, v, g, b: ch.chunked_segment_native(
         q, k, v, g, b, segment_ids_BT=jnp.ones((B, T), jnp.int32), scale=K ** -0.5,
@@ -82,8 +84,7 @@ def main():
                                    (qc, kc, vc, gc, bc)),
         "intra-chunk, any gate": (lambda q, k, v, g, b: ch._intra_chunk(q, k, v, g, b, seg, sub=16, safe_gate=False),
                                   (qc, kc, vc, gc, bc)),
-        "inter-chunk scan + outputs": (inter, tuple(major(pre[n]) for n in ("u", "w", "k_out", "decay_last", "q_decay",
-                                                                            "a_qk"))),
+        "inter-chunk scan + outputs": (inter, tuple(major(pre[n]) for n in names)),
         "whole kernel, safe_gate": (whole(True), (q, k, v, g, beta)),
         "whole kernel, any gate": (whole(False), (q, k, v, g, beta)),
     }

@@ -148,53 +148,58 @@ beta_inverse.defvjp(_beta_inverse_fwd, _beta_inverse_bwd)
 
 
 @jax.custom_vjp
-def chunk_scan(table_RHKV, idx_NL, r_NL, u_NLHCV, w_NLHCK, k_NLHCK, decay_NLHK, q_NLHCK, a_NLHCC):
+def chunk_scan(table_RHKV, idx_NL, r_NL, v_NLHCV, kd_NLHCK, t_NLHCC, k_NLHCK, decay_NLHK, q_NLHCK, a_NLHCC):
     """The inter-chunk recurrence over N chunks of L independent lanes (the only sequential part), and the outputs:
-        S_in[n] = r[n] S_out[n-1] + table[idx[n]];   v[n] = u[n] - w[n] S_in[n];   o[n] = q[n] S_in[n] + a[n] v[n]
-        S_out[n] = decay[n] S_in[n] + k[n]^T v[n]            (S_out[-1] = 0; r is 0/1)
-    Returns o [N, L, H, C, V], S_in [N, L, H, K, V], v [N, L, H, C, V] and S_out[N - 1]. Every product runs inside
-    the loop, forward and backward, while the chunk's state is in cache (batched over all chunks, the [K, V] states
-    stream from memory: ~2x slower on CPU); only the transposed recurrence is sequential in the backward.
+        S_in[n] = r[n] S_out[n-1] + table[idx[n]];   x[n] = v[n] - kd[n] S_in[n];   v'[n] = t[n] x[n]
+        o[n] = q[n] S_in[n] + a[n] v'[n];   S_out[n] = decay[n] S_in[n] + k[n]^T v'[n]   (S_out[-1] = 0; r is 0/1)
+    (v' = U - W S of the WY form with U = t v, W = t kd, without forming U and W.) Returns o [N, L, H, C, V],
+    S_in [N, L, H, K, V], x [N, L, H, C, V] and S_out[N - 1]. Every product runs inside the loop, forward and
+    backward, while the chunk's state is in cache (batched over all chunks, the [K, V] states stream from
+    memory: ~2x slower on CPU); only the transposed recurrence is sequential in the backward.
     """
-    return _chunk_scan(table_RHKV, idx_NL, r_NL, u_NLHCV, w_NLHCK, k_NLHCK, decay_NLHK, q_NLHCK, a_NLHCC)[0]
+    return _chunk_scan(table_RHKV, idx_NL, r_NL, v_NLHCV, kd_NLHCK, t_NLHCC, k_NLHCK, decay_NLHK, q_NLHCK,
+                       a_NLHCC)[0]
 
 
-def _chunk_scan(table, idx, r, u, w, k, decay, q, a):
-    def step(S_LHKV, x):
-        idx_L, r_L, u_n, w_n, k_n, d_n, q_n, a_n = x
+def _chunk_scan(table, idx, r, v, kd, t, k, decay, q, a):
+    def step(S_LHKV, xs):
+        idx_L, r_L, v_n, kd_n, t_n, k_n, d_n, q_n, a_n = xs
         S_in = r_L[:, None, None, None] * S_LHKV + table[idx_L]
-        v_n = u_n - w_n @ S_in
-        S_out = d_n[..., None] * S_in + jnp.swapaxes(k_n, -1, -2) @ v_n
-        return S_out, (q_n @ S_in + a_n @ v_n, S_in, v_n)
+        x_n = v_n - kd_n @ S_in
+        v_new = t_n @ x_n
+        S_out = d_n[..., None] * S_in + jnp.swapaxes(k_n, -1, -2) @ v_new
+        return S_out, (q_n @ S_in + a_n @ v_new, S_in, x_n)
 
     S0 = jnp.zeros((idx.shape[1], *table.shape[1:]), table.dtype)
-    S_last, (o, S_in, v) = jax.lax.scan(step, S0, (idx, r, u, w, k, decay, q, a))
-    return (o, S_in, v, S_last), (table, idx, r, w, k, decay, q, a, S_in, v)
+    S_last, (o, S_in, x) = jax.lax.scan(step, S0, (idx, r, v, kd, t, k, decay, q, a))
+    return (o, S_in, x, S_last), (table, idx, r, kd, t, k, decay, q, a, S_in, x)
 
 
-def _chunk_scan_fwd(*primals):  # symbolic zeros: the outputs a caller drops (S_in, v) add no work backward
+def _chunk_scan_fwd(*primals):  # symbolic zeros: the outputs a caller drops (S_in, x) add no work backward
     return _chunk_scan(*(p.value for p in primals))
 
 
 def _chunk_scan_bwd(res, cts):
-    table, idx, r, w, k, decay, q, a, S_in, v = res
-    do, dS_in_ext, dv_ext, dS_last = cts
-    tr = lambda x: jnp.swapaxes(x, -1, -2)
-    extra = {n: c for n, c in (("dS_in", dS_in_ext), ("dv", dv_ext)) if not isinstance(c, SymbolicZero)}
+    table, idx, r, kd, t, k, decay, q, a, S_in, x = res
+    do, dS_in_ext, dx_ext, dS_last = cts
+    tr = lambda m: jnp.swapaxes(m, -1, -2)
+    extra = {n: c for n, c in (("dS_in", dS_in_ext), ("dx", dx_ext)) if not isinstance(c, SymbolicZero)}
 
-    def step(carry, x):
+    def step(carry, xs):
         dS_out, d_table = carry                              # dS_out: gradient of S_out[n]
-        idx_L, r_L, w_n, k_n, d_n, q_n, a_n, S_n, v_n, do_n, ext = x
-        dv = k_n @ dS_out + tr(a_n) @ do_n + ext.get("dv", 0.0)
-        dS_in = d_n[..., None] * dS_out + tr(q_n) @ do_n - tr(w_n) @ dv + ext.get("dS_in", 0.0)
-        grads = (dv, -(dv @ tr(S_n)), v_n @ tr(dS_out), jnp.einsum("...kv,...kv->...k", S_n, dS_out),
-                 do_n @ tr(S_n), do_n @ tr(v_n))
+        idx_L, r_L, kd_n, t_n, k_n, d_n, q_n, a_n, S_n, x_n, do_n, ext = xs
+        v_new = t_n @ x_n                                    # recomputed: cheaper than storing it
+        dv_new = k_n @ dS_out + tr(a_n) @ do_n
+        dx = tr(t_n) @ dv_new + ext.get("dx", 0.0)
+        dS_in = d_n[..., None] * dS_out + tr(q_n) @ do_n - tr(kd_n) @ dx + ext.get("dS_in", 0.0)
+        grads = (dx, -(dx @ tr(S_n)), dv_new @ tr(x_n), v_new @ tr(dS_out),
+                 jnp.einsum("...kv,...kv->...k", S_n, dS_out), do_n @ tr(S_n), do_n @ tr(v_new))
         return (r_L[:, None, None, None] * dS_in, d_table.at[idx_L].add(dS_in)), grads
 
     dS_last = jnp.zeros_like(table[0:1].repeat(idx.shape[1], 0)) if isinstance(dS_last, SymbolicZero) else dS_last
-    (_, d_table), (du, dw, dk, d_decay, dq, da) = jax.lax.scan(
-        step, (dS_last, jnp.zeros_like(table)), (idx, r, w, k, decay, q, a, S_in, v, do, extra), reverse=True)
-    return d_table, None, None, du, dw, dk, d_decay, dq, da
+    (_, d_table), (dv, dkd, dt, dk, d_decay, dq, da) = jax.lax.scan(
+        step, (dS_last, jnp.zeros_like(table)), (idx, r, kd, t, k, decay, q, a, S_in, x, do, extra), reverse=True)
+    return d_table, None, None, dv, dkd, dt, dk, d_decay, dq, da
 
 
 chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd, symbolic_zeros=True)
@@ -218,13 +223,11 @@ def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
         G = jnp.einsum("...ci,...ik->...ck", prefix, g, precision="highest")
     A = _decay_products(q, k, G, seg_C, sub=sub, safe_gate=safe_gate)
     A_qk, A_kk = A[..., :, 0, :], A[..., :, 1, :]
-    t_mat = beta_inverse(A_kk, beta)   # block-diagonal per segment, as A_kk
-    w = t_mat @ (jnp.exp(G) * k)
-    u = t_mat @ v
     G_last = G[..., -1:, :]
     in_last = (seg_C == seg_C[..., -1:])[..., None]  # tokens of the chunk's last segment build the outgoing state
     return dict(
-        q_decay=q * jnp.exp(G), w=w, u=u, a_qk=A_qk,
+        q_decay=q * jnp.exp(G), k_decay=k * jnp.exp(G), v=v, a_qk=A_qk,
+        t_mat=beta_inverse(A_kk, beta),  # block-diagonal per segment, as A_kk
         k_out=jnp.where(in_last, jnp.exp(jnp.where(in_last, G_last - G, 0.0)) * k, 0.0),  # exponent <= 0
         decay_last=jnp.exp(G_last[..., 0, :]),   # [.., K]
     )
@@ -273,7 +276,7 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
     carry_BNC = ids_BNC == prev_last[..., None]        # token continues the segment the state belongs to
     pre = _intra_chunk(q, k, v, g, beta, ids_BNC[:, :, None], sub=sub_chunk, safe_gate=safe_gate)
     carry = carry_BNC[:, :, None, :, None]
-    pre["w"] = pre["w"] * carry
+    pre["k_decay"] = pre["k_decay"] * carry           # t_mat is block-diagonal per segment: masks W's rows
     pre["q_decay"] = pre["q_decay"] * carry
     keep_BN = carry_BNC[..., -1]                       # the whole chunk continues: carry the decayed state on
 
@@ -283,9 +286,9 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
     table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
     idx_NB = jnp.full((n_chunks, B), B, jnp.int32).at[0].set(jnp.arange(B))
     r_NB = jnp.broadcast_to((jnp.arange(n_chunks) > 0)[:, None], (n_chunks, B)).astype(jnp.float32)
-    o_NBHCV, _, _, final_BHKV = chunk_scan(table, idx_NB, r_NB, chunk_major["u"], chunk_major["w"],
-                                           chunk_major["k_out"], decay_NBHK, chunk_major["q_decay"],
-                                           chunk_major["a_qk"])
+    m = chunk_major
+    o_NBHCV, _, _, final_BHKV = chunk_scan(table, idx_NB, r_NB, m["v"], m["k_decay"], m["t_mat"], m["k_out"],
+                                           decay_NBHK, m["q_decay"], m["a_qk"])
     o_BTHV = _from_chunks(jnp.moveaxis(o_NBHCV, 0, 1))[:, :T]
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV
 
@@ -316,13 +319,14 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
     chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
     reset_N1 = plan.chunk_starts_seg[:, None]
     idx_N1 = jnp.where(reset_N1, plan.chunk_init_row[:, None], B).astype(jnp.int32)
-    o_N1HCV, states_N1HKV, v_new_N1HCV, _ = chunk_scan(
-        init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32), chunk_major["u"], chunk_major["w"],
-        chunk_major["k_out"], chunk_major["decay_last"], chunk_major["q_decay"], chunk_major["a_qk"])
+    m = chunk_major
+    o_N1HCV, states_N1HKV, x_N1HCV, _ = chunk_scan(
+        init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32), m["v"], m["k_decay"], m["t_mat"], m["k_out"],
+        m["decay_last"], m["q_decay"], m["a_qk"])
     # Each row's final state: the state leaving the chunk that holds the end of its last segment.
     at = lambda a: jnp.take(a[:, 0], jnp.maximum(row_final_chunk, 0), axis=0)   # [B, ...]
-    leaving = at(chunk_major["decay_last"])[..., None] * at(states_N1HKV) + jnp.swapaxes(
-        at(chunk_major["k_out"]), -1, -2) @ at(v_new_N1HCV)
+    leaving = at(m["decay_last"])[..., None] * at(states_N1HKV) + jnp.swapaxes(
+        at(m["k_out"]), -1, -2) @ (at(m["t_mat"]) @ at(x_N1HCV))
     final_BHKV = jnp.where((row_final_chunk >= 0)[:, None, None, None], leaving,
                            initial_state_BHKV.astype(jnp.float32))
     o_flat = _from_chunks(jnp.moveaxis(o_N1HCV, 0, 1))[0]                  # [T_new, H, V]

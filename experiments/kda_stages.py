@@ -63,7 +63,6 @@ def main():
     seg = jnp.ones((B, N, 1, C), jnp.int32)
     G = jnp.cumsum(gc, axis=-2)
     pre = ch._intra_chunk(qc, kc, vc, gc, bc, seg, sub=16, safe_gate=True)
-    major = lambda a: jnp.moveaxis(a, 1, 0)
 
     names = ("v", "k_decay", "t_mat", "k_out", "decay_last", "q_decay", "a_qk")
 
@@ -84,7 +83,7 @@ def main():
                                    (qc, kc, vc, gc, bc)),
         "intra-chunk, any gate": (lambda q, k, v, g, b: ch._intra_chunk(q, k, v, g, b, seg, sub=16, safe_gate=False),
                                   (qc, kc, vc, gc, bc)),
-        "inter-chunk scan + outputs": (inter, tuple(major(pre[n]) for n in names)),
+        "inter-chunk scan + outputs": (inter, tuple(ch._lanes_major(pre[n]) for n in names)),
         "whole kernel, safe_gate": (whole(True), (q, k, v, g, beta)),
         "whole kernel, any gate": (whole(False), (q, k, v, g, beta)),
     }

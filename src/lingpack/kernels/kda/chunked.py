@@ -148,29 +148,36 @@ beta_inverse.defvjp(_beta_inverse_fwd, _beta_inverse_bwd)
 
 
 @jax.custom_vjp
-def chunk_scan(table_RHKV, idx_NL, r_NL, v_NLHCV, kd_NLHCK, t_NLHCC, k_NLHCK, decay_NLHK, q_NLHCK, a_NLHCC):
-    """The inter-chunk recurrence over N chunks of L independent lanes (the only sequential part), and the outputs:
+def chunk_scan(table_RHKV, idx_NL, r_NL, v_NMCV, kd_NMCK, t_NMCC, k_NMCK, decay_NMK, q_NMCK, a_NMCC):
+    """The inter-chunk recurrence over N chunks of L independent lanes (the only sequential part), and the outputs;
+    lanes and heads are flattened, M = L * H (no size-1 axes, which XLA:CPU relayouts with copies):
         S_in[n] = r[n] S_out[n-1] + table[idx[n]];   x[n] = v[n] - kd[n] S_in[n];   v'[n] = t[n] x[n]
         o[n] = q[n] S_in[n] + a[n] v'[n];   S_out[n] = decay[n] S_in[n] + k[n]^T v'[n]   (S_out[-1] = 0; r is 0/1)
-    (v' = U - W S of the WY form with U = t v, W = t kd, without forming U and W.) Returns o [N, L, H, C, V],
-    S_in [N, L, H, K, V], x [N, L, H, C, V] and S_out[N - 1]. Every product runs inside the loop, forward and
+    (v' = U - W S of the WY form with U = t v, W = t kd, without forming U and W.) Returns o [N, M, C, V],
+    S_in [N, M, K, V], x [N, M, C, V] and S_out[N - 1] [M, K, V]. Every product runs inside the loop, forward and
     backward, while the chunk's state is in cache (batched over all chunks, the [K, V] states stream from
     memory: ~2x slower on CPU); only the transposed recurrence is sequential in the backward.
     """
-    return _chunk_scan(table_RHKV, idx_NL, r_NL, v_NLHCV, kd_NLHCK, t_NLHCC, k_NLHCK, decay_NLHK, q_NLHCK,
-                       a_NLHCC)[0]
+    return _chunk_scan(table_RHKV, idx_NL, r_NL, v_NMCV, kd_NMCK, t_NMCC, k_NMCK, decay_NMK, q_NMCK, a_NMCC)[0]
+
+
+def _lanes(table, idx_L, r_L):
+    """Per flattened lane (lane-major, then head): the table rows, and r as a [M, 1, 1] factor."""
+    rows = table[idx_L]
+    return rows.reshape(-1, *rows.shape[2:]), jnp.repeat(r_L, table.shape[1])[:, None, None]
 
 
 def _chunk_scan(table, idx, r, v, kd, t, k, decay, q, a):
-    def step(S_LHKV, xs):
+    def step(S_MKV, xs):
         idx_L, r_L, v_n, kd_n, t_n, k_n, d_n, q_n, a_n = xs
-        S_in = r_L[:, None, None, None] * S_LHKV + table[idx_L]
+        rows, r_M = _lanes(table, idx_L, r_L)
+        S_in = r_M * S_MKV + rows
         x_n = v_n - kd_n @ S_in
         v_new = t_n @ x_n
         S_out = d_n[..., None] * S_in + jnp.swapaxes(k_n, -1, -2) @ v_new
         return S_out, (q_n @ S_in + a_n @ v_new, S_in, x_n)
 
-    S0 = jnp.zeros((idx.shape[1], *table.shape[1:]), table.dtype)
+    S0 = jnp.zeros((idx.shape[1] * table.shape[1], *table.shape[2:]), table.dtype)
     S_last, (o, S_in, x) = jax.lax.scan(step, S0, (idx, r, v, kd, t, k, decay, q, a))
     return (o, S_in, x, S_last), (table, idx, r, kd, t, k, decay, q, a, S_in, x)
 
@@ -194,9 +201,10 @@ def _chunk_scan_bwd(res, cts):
         dS_in = d_n[..., None] * dS_out + tr(q_n) @ do_n - tr(kd_n) @ dx + ext.get("dS_in", 0.0)
         grads = (dx, -(dx @ tr(S_n)), dv_new @ tr(x_n), v_new @ tr(dS_out),
                  jnp.einsum("...kv,...kv->...k", S_n, dS_out), do_n @ tr(S_n), do_n @ tr(v_new))
-        return (r_L[:, None, None, None] * dS_in, d_table.at[idx_L].add(dS_in)), grads
+        return (_lanes(table, idx_L, r_L)[1] * dS_in, d_table.at[idx_L].add(dS_in.reshape(-1, *table.shape[1:]))), grads
 
-    dS_last = jnp.zeros_like(table[0:1].repeat(idx.shape[1], 0)) if isinstance(dS_last, SymbolicZero) else dS_last
+    if isinstance(dS_last, SymbolicZero):
+        dS_last = jnp.zeros((idx.shape[1] * table.shape[1], *table.shape[2:]), table.dtype)
     (_, d_table), (dv, dkd, dt, dk, d_decay, dq, da) = jax.lax.scan(
         step, (dS_last, jnp.zeros_like(table)), (idx, r, kd, t, k, decay, q, a, S_in, x, do, extra), reverse=True)
     return d_table, None, None, dv, dkd, dt, dk, d_decay, dq, da
@@ -245,6 +253,12 @@ def _from_chunks(x_BNHCV):
     return jnp.moveaxis(x_BNHCV, 3, 2).reshape(B, N * C, H, V)
 
 
+def _lanes_major(x_BNH_):
+    """[B, N, H, *] -> [N, B * H, *]: chunk-major, lanes and heads flattened for `chunk_scan`."""
+    B, N, H = x_BNH_.shape[:3]
+    return jnp.moveaxis(x_BNH_, 1, 0).reshape(N, B * H, *x_BNH_.shape[3:])
+
+
 def _prepare(q, k, v, g, beta, real_BT, scale):
     """fp32 copies with padding turned into no-op tokens."""
     f32 = jnp.float32  # the state and every accumulation are fp32 whatever the input dtype
@@ -280,17 +294,16 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
     pre["q_decay"] = pre["q_decay"] * carry
     keep_BN = carry_BNC[..., -1]                       # the whole chunk continues: carry the decayed state on
 
-    chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
-    decay_NBHK = jnp.where(keep_BN.T[..., None, None], chunk_major["decay_last"], 0.0)
+    pre["decay_last"] = jnp.where(keep_BN[..., None, None], pre["decay_last"], 0.0)
+    m = jax.tree.map(_lanes_major, pre)
     # lane b starts from table row b (its initial state); later chunks add the zero row B
     table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
     idx_NB = jnp.full((n_chunks, B), B, jnp.int32).at[0].set(jnp.arange(B))
     r_NB = jnp.broadcast_to((jnp.arange(n_chunks) > 0)[:, None], (n_chunks, B)).astype(jnp.float32)
-    m = chunk_major
-    o_NBHCV, _, _, final_BHKV = chunk_scan(table, idx_NB, r_NB, m["v"], m["k_decay"], m["t_mat"], m["k_out"],
-                                           decay_NBHK, m["q_decay"], m["a_qk"])
-    o_BTHV = _from_chunks(jnp.moveaxis(o_NBHCV, 0, 1))[:, :T]
-    return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV
+    o_NMCV, _, _, final_MKV = chunk_scan(table, idx_NB, r_NB, m["v"], m["k_decay"], m["t_mat"], m["k_out"],
+                                         m["decay_last"], m["q_decay"], m["a_qk"])
+    o_BTHV = _from_chunks(jnp.moveaxis(o_NMCV.reshape(n_chunks, B, H, chunk_size, V), 0, 1))[:, :T]
+    return jnp.where(real[..., None, None], o_BTHV, 0.0), final_MKV.reshape(B, H, K, V)
 
 
 def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale, initial_state_BHKV,
@@ -316,19 +329,18 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
     last_seg = jnp.clip(plan.row_last_seg, 0, max_segs - 1)
     row_final_chunk = jnp.where(plan.row_last_seg >= 0, plan.seg_last_chunk[last_seg], -1)   # [B]
 
-    chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
+    m = jax.tree.map(_lanes_major, pre)             # [N, H, ...]: the one lane of the aligned buffer
     reset_N1 = plan.chunk_starts_seg[:, None]
     idx_N1 = jnp.where(reset_N1, plan.chunk_init_row[:, None], B).astype(jnp.int32)
-    m = chunk_major
-    o_N1HCV, states_N1HKV, x_N1HCV, _ = chunk_scan(
+    o_NHCV, states_NHKV, x_NHCV, _ = chunk_scan(
         init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32), m["v"], m["k_decay"], m["t_mat"], m["k_out"],
         m["decay_last"], m["q_decay"], m["a_qk"])
     # Each row's final state: the state leaving the chunk that holds the end of its last segment.
-    at = lambda a: jnp.take(a[:, 0], jnp.maximum(row_final_chunk, 0), axis=0)   # [B, ...]
-    leaving = at(m["decay_last"])[..., None] * at(states_N1HKV) + jnp.swapaxes(
-        at(m["k_out"]), -1, -2) @ (at(m["t_mat"]) @ at(x_N1HCV))
+    at = lambda a: jnp.take(a, jnp.maximum(row_final_chunk, 0), axis=0)   # [B, ...]
+    leaving = at(m["decay_last"])[..., None] * at(states_NHKV) + jnp.swapaxes(
+        at(m["k_out"]), -1, -2) @ (at(m["t_mat"]) @ at(x_NHCV))
     final_BHKV = jnp.where((row_final_chunk >= 0)[:, None, None, None], leaving,
                            initial_state_BHKV.astype(jnp.float32))
-    o_flat = _from_chunks(jnp.moveaxis(o_N1HCV, 0, 1))[0]                  # [T_new, H, V]
+    o_flat = _from_chunks(o_NHCV[None])[0]                  # [T_new, H, V]
     o_BTHV = jnp.take(o_flat, plan.dest, axis=0, mode="fill", fill_value=0.0).reshape(B, T, H, V)
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV

@@ -147,18 +147,35 @@ def _beta_inverse_bwd(res, dT):
 beta_inverse.defvjp(_beta_inverse_fwd, _beta_inverse_bwd)
 
 
+def decay_factors(q_MCK, k_MCK, G_MCK, carry_MC, last_MC, keep_M):
+    """A chunk's gate-decayed operands from its cumsum G (masks: the token continues the incoming state's segment;
+    the token is in the chunk's last segment; the whole chunk continues): q exp(G) and k exp(G) (rows that do not
+    continue the state zeroed), k exp(G_last - G) over the last segment (exponent <= 0), exp(G_last) or 0."""
+    eG = jnp.exp(G_MCK)
+    carry, last = carry_MC[..., None], last_MC[..., None]
+    k_out = jnp.where(last, jnp.exp(jnp.where(last, G_MCK[..., -1:, :] - G_MCK, 0.0)) * k_MCK, 0.0)
+    return (jnp.where(carry, q_MCK * eG, 0.0), jnp.where(carry, k_MCK * eG, 0.0), k_out,
+            jnp.where(keep_M[..., None], jnp.exp(G_MCK[..., -1, :]), 0.0))
+
+
+SCAN_INPUTS = ("q", "k", "G", "v", "t_mat", "a_qk", "carry", "last", "keep")  # chunk_scan's per-chunk inputs
+
+
 @jax.custom_vjp
-def chunk_scan(table_RHKV, idx_NL, r_NL, v_NMCV, kd_NMCK, t_NMCC, k_NMCK, decay_NMK, q_NMCK, a_NMCC):
+def chunk_scan(table_RHKV, idx_NL, r_NL, q_NMCK, k_NMCK, G_NMCK, v_NMCV, t_NMCC, a_NMCC, carry_NMC, last_NMC,
+               keep_NM):
     """The inter-chunk recurrence over N chunks of L independent lanes (the only sequential part), and the outputs;
-    lanes and heads are flattened, M = L * H (no size-1 axes, which XLA:CPU relayouts with copies):
+    lanes and heads are flattened, M = L * H (no size-1 axes, which XLA:CPU relayouts with copies). With
+    qd, kd, ko, decay = `decay_factors` of chunk n:
         S_in[n] = r[n] S_out[n-1] + table[idx[n]];   x[n] = v[n] - kd[n] S_in[n];   v'[n] = t[n] x[n]
-        o[n] = q[n] S_in[n] + a[n] v'[n];   S_out[n] = decay[n] S_in[n] + k[n]^T v'[n]   (S_out[-1] = 0; r is 0/1)
+        o[n] = qd[n] S_in[n] + a[n] v'[n];   S_out[n] = decay[n] S_in[n] + ko[n]^T v'[n]   (S_out[-1] = 0; r is 0/1)
     (v' = U - W S of the WY form with U = t v, W = t kd, without forming U and W.) Returns o [N, M, C, V],
-    S_in [N, M, K, V], x [N, M, C, V] and S_out[N - 1] [M, K, V]. Every product runs inside the loop, forward and
-    backward, while the chunk's state is in cache (batched over all chunks, the [K, V] states stream from
-    memory: ~2x slower on CPU); only the transposed recurrence is sequential in the backward.
+    S_in [N, M, K, V], x [N, M, C, V] and S_out[N - 1] [M, K, V]. The decay factors and every product are
+    computed inside the loop, forward and backward, while the chunk's state is in cache (batched over all chunks,
+    the [K, V] states stream from memory: ~2x slower on CPU); only the transposed recurrence is sequential.
     """
-    return _chunk_scan(table_RHKV, idx_NL, r_NL, v_NMCV, kd_NMCK, t_NMCC, k_NMCK, decay_NMK, q_NMCK, a_NMCC)[0]
+    return _chunk_scan(table_RHKV, idx_NL, r_NL, q_NMCK, k_NMCK, G_NMCK, v_NMCV, t_NMCC, a_NMCC, carry_NMC,
+                       last_NMC, keep_NM)[0]
 
 
 def _lanes(table, idx_L, r_L):
@@ -167,19 +184,20 @@ def _lanes(table, idx_L, r_L):
     return rows.reshape(-1, *rows.shape[2:]), jnp.repeat(r_L, table.shape[1])[:, None, None]
 
 
-def _chunk_scan(table, idx, r, v, kd, t, k, decay, q, a):
+def _chunk_scan(table, idx, r, q, k, G, v, t, a, carry, last, keep):
     def step(S_MKV, xs):
-        idx_L, r_L, v_n, kd_n, t_n, k_n, d_n, q_n, a_n = xs
+        idx_L, r_L, q_n, k_n, G_n, v_n, t_n, a_n, c_n, l_n, keep_n = xs
+        qd, kd, ko, d = decay_factors(q_n, k_n, G_n, c_n, l_n, keep_n)
         rows, r_M = _lanes(table, idx_L, r_L)
         S_in = r_M * S_MKV + rows
-        x_n = v_n - kd_n @ S_in
+        x_n = v_n - kd @ S_in
         v_new = t_n @ x_n
-        S_out = d_n[..., None] * S_in + jnp.swapaxes(k_n, -1, -2) @ v_new
-        return S_out, (q_n @ S_in + a_n @ v_new, S_in, x_n)
+        S_out = d[..., None] * S_in + jnp.swapaxes(ko, -1, -2) @ v_new
+        return S_out, (qd @ S_in + a_n @ v_new, S_in, x_n)
 
     S0 = jnp.zeros((idx.shape[1] * table.shape[1], *table.shape[2:]), table.dtype)
-    S_last, (o, S_in, x) = jax.lax.scan(step, S0, (idx, r, v, kd, t, k, decay, q, a))
-    return (o, S_in, x, S_last), (table, idx, r, kd, t, k, decay, q, a, S_in, x)
+    S_last, (o, S_in, x) = jax.lax.scan(step, S0, (idx, r, q, k, G, v, t, a, carry, last, keep))
+    return (o, S_in, x, S_last), (table, idx, r, q, k, G, t, a, carry, last, keep, S_in, x)
 
 
 def _chunk_scan_fwd(*primals):  # symbolic zeros: the outputs a caller drops (S_in, x) add no work backward
@@ -187,34 +205,38 @@ def _chunk_scan_fwd(*primals):  # symbolic zeros: the outputs a caller drops (S_
 
 
 def _chunk_scan_bwd(res, cts):
-    table, idx, r, kd, t, k, decay, q, a, S_in, x = res
+    table, idx, r, q, k, G, t, a, carry, last, keep, S_in, x = res
     do, dS_in_ext, dx_ext, dS_last = cts
     tr = lambda m: jnp.swapaxes(m, -1, -2)
     extra = {n: c for n, c in (("dS_in", dS_in_ext), ("dx", dx_ext)) if not isinstance(c, SymbolicZero)}
 
-    def step(carry, xs):
-        dS_out, d_table = carry                              # dS_out: gradient of S_out[n]
-        idx_L, r_L, kd_n, t_n, k_n, d_n, q_n, a_n, S_n, x_n, do_n, ext = xs
+    def step(carry_, xs):
+        dS_out, d_table = carry_                             # dS_out: gradient of S_out[n]
+        idx_L, r_L, q_n, k_n, G_n, t_n, a_n, c_n, l_n, keep_n, S_n, x_n, do_n, ext = xs
+        (qd, kd, ko, d), factors_vjp = jax.vjp(lambda *qkG: decay_factors(*qkG, c_n, l_n, keep_n), q_n, k_n, G_n)
         v_new = t_n @ x_n                                    # recomputed: cheaper than storing it
-        dv_new = k_n @ dS_out + tr(a_n) @ do_n
+        dv_new = ko @ dS_out + tr(a_n) @ do_n
         dx = tr(t_n) @ dv_new + ext.get("dx", 0.0)
-        dS_in = d_n[..., None] * dS_out + tr(q_n) @ do_n - tr(kd_n) @ dx + ext.get("dS_in", 0.0)
-        grads = (dx, -(dx @ tr(S_n)), dv_new @ tr(x_n), v_new @ tr(dS_out),
-                 jnp.einsum("...kv,...kv->...k", S_n, dS_out), do_n @ tr(S_n), do_n @ tr(v_new))
+        dS_in = d[..., None] * dS_out + tr(qd) @ do_n - tr(kd) @ dx + ext.get("dS_in", 0.0)
+        dq, dk, dG = factors_vjp((do_n @ tr(S_n), -(dx @ tr(S_n)), v_new @ tr(dS_out),
+                                  jnp.einsum("...kv,...kv->...k", S_n, dS_out)))
+        grads = (dq, dk, dG, dx, dv_new @ tr(x_n), do_n @ tr(v_new))
         return (_lanes(table, idx_L, r_L)[1] * dS_in, d_table.at[idx_L].add(dS_in.reshape(-1, *table.shape[1:]))), grads
 
     if isinstance(dS_last, SymbolicZero):
         dS_last = jnp.zeros((idx.shape[1] * table.shape[1], *table.shape[2:]), table.dtype)
-    (_, d_table), (dv, dkd, dt, dk, d_decay, dq, da) = jax.lax.scan(
-        step, (dS_last, jnp.zeros_like(table)), (idx, r, kd, t, k, decay, q, a, S_in, x, do, extra), reverse=True)
-    return d_table, None, None, dv, dkd, dt, dk, d_decay, dq, da
+    (_, d_table), (dq, dk, dG, dv, dt, da) = jax.lax.scan(
+        step, (dS_last, jnp.zeros_like(table)), (idx, r, q, k, G, t, a, carry, last, keep, S_in, x, do, extra),
+        reverse=True)
+    return d_table, None, None, dq, dk, dG, dv, dt, da, None, None, None
 
 
 chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd, symbolic_zeros=True)
 
 
-def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
-    """Everything that does not depend on the carried state, for all chunks at once ([.., H, C, *]).
+def _intra_chunk(q, k, g, beta, seg_C, *, sub: int, safe_gate: bool):
+    """Everything that does not depend on the carried state, for all chunks at once ([.., H, C, *]): the
+    segment-local cumsum G, A_qk and t = (I + Diag(beta) A_kk)^-1 Diag(beta).
 
     `seg_C` (ids broadcastable to [.., C]) marks segments inside a chunk; None = the chunk is one segment.
     """
@@ -230,15 +252,8 @@ def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
         prefix = jnp.broadcast_to(prefix, (*g.shape[:-2], C, C))  # per head: no transposes of g and its gradient
         G = jnp.einsum("...ci,...ik->...ck", prefix, g, precision="highest")
     A = _decay_products(q, k, G, seg_C, sub=sub, safe_gate=safe_gate)
-    A_qk, A_kk = A[..., :, 0, :], A[..., :, 1, :]
-    G_last = G[..., -1:, :]
-    in_last = (seg_C == seg_C[..., -1:])[..., None]  # tokens of the chunk's last segment build the outgoing state
-    return dict(
-        q_decay=q * jnp.exp(G), k_decay=k * jnp.exp(G), v=v, a_qk=A_qk,
-        t_mat=beta_inverse(A_kk, beta),  # block-diagonal per segment, as A_kk
-        k_out=jnp.where(in_last, jnp.exp(jnp.where(in_last, G_last - G, 0.0)) * k, 0.0),  # exponent <= 0
-        decay_last=jnp.exp(G_last[..., 0, :]),   # [.., K]
-    )
+    # t is block-diagonal per segment, as A_kk
+    return dict(G=G, a_qk=A[..., :, 0, :], t_mat=beta_inverse(A[..., :, 1, :], beta))
 
 
 def _to_chunks(x_BTH_, n_chunks, chunk_size):
@@ -288,20 +303,17 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
     ids_BNC = ids.reshape(B, n_chunks, chunk_size)
     prev_last = jnp.concatenate([ids_BNC[:, :1, 0], ids_BNC[:, :-1, -1]], axis=1)     # [B, N]
     carry_BNC = ids_BNC == prev_last[..., None]        # token continues the segment the state belongs to
-    pre = _intra_chunk(q, k, v, g, beta, ids_BNC[:, :, None], sub=sub_chunk, safe_gate=safe_gate)
-    carry = carry_BNC[:, :, None, :, None]
-    pre["k_decay"] = pre["k_decay"] * carry           # t_mat is block-diagonal per segment: masks W's rows
-    pre["q_decay"] = pre["q_decay"] * carry
-    keep_BN = carry_BNC[..., -1]                       # the whole chunk continues: carry the decayed state on
-
-    pre["decay_last"] = jnp.where(keep_BN[..., None, None], pre["decay_last"], 0.0)
+    pre = _intra_chunk(q, k, g, beta, ids_BNC[:, :, None], sub=sub_chunk, safe_gate=safe_gate)
+    heads = lambda x_BN_: jnp.broadcast_to(x_BN_[:, :, None], (B, n_chunks, H, *x_BN_.shape[2:]))
+    # t_mat is block-diagonal per segment, so masking k's rows masks W's; keep: the whole chunk continues
+    pre.update(q=q, k=k, v=v, carry=heads(carry_BNC), last=heads(ids_BNC == ids_BNC[..., -1:]),
+               keep=heads(carry_BNC[..., -1]))
     m = jax.tree.map(_lanes_major, pre)
     # lane b starts from table row b (its initial state); later chunks add the zero row B
     table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
     idx_NB = jnp.full((n_chunks, B), B, jnp.int32).at[0].set(jnp.arange(B))
     r_NB = jnp.broadcast_to((jnp.arange(n_chunks) > 0)[:, None], (n_chunks, B)).astype(jnp.float32)
-    o_NMCV, _, _, final_MKV = chunk_scan(table, idx_NB, r_NB, m["v"], m["k_decay"], m["t_mat"], m["k_out"],
-                                         m["decay_last"], m["q_decay"], m["a_qk"])
+    o_NMCV, _, _, final_MKV = chunk_scan(table, idx_NB, r_NB, *(m[name] for name in SCAN_INPUTS))
     o_BTHV = _from_chunks(jnp.moveaxis(o_NMCV.reshape(n_chunks, B, H, chunk_size, V), 0, 1))[:, :T]
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_MKV.reshape(B, H, K, V)
 
@@ -321,7 +333,9 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
         x.reshape(B * T, *x.shape[2:]), mode="drop")[None]
     q, k, v, g = [_to_chunks(scatter(x), n_chunks, chunk_size) for x in xs[:4]]
     beta = jnp.moveaxis(scatter(xs[4]).reshape(1, n_chunks, chunk_size, H), 2, 3)
-    pre = _intra_chunk(q, k, v, g, beta, None, sub=sub_chunk, safe_gate=safe_gate)
+    pre = _intra_chunk(q, k, g, beta, None, sub=sub_chunk, safe_gate=safe_gate)
+    every = jnp.ones(beta.shape, bool)               # one segment per chunk; resets come from r and the table
+    pre.update(q=q, k=k, v=v, carry=every, last=every, keep=every[..., 0])
 
     # Initial state per chunk: a row's first segment starts from that row's state, others from zero.
     init_table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
@@ -332,13 +346,12 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
     m = jax.tree.map(_lanes_major, pre)             # [N, H, ...]: the one lane of the aligned buffer
     reset_N1 = plan.chunk_starts_seg[:, None]
     idx_N1 = jnp.where(reset_N1, plan.chunk_init_row[:, None], B).astype(jnp.int32)
-    o_NHCV, states_NHKV, x_NHCV, _ = chunk_scan(
-        init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32), m["v"], m["k_decay"], m["t_mat"], m["k_out"],
-        m["decay_last"], m["q_decay"], m["a_qk"])
+    o_NHCV, states_NHKV, x_NHCV, _ = chunk_scan(init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32),
+                                                *(m[name] for name in SCAN_INPUTS))
     # Each row's final state: the state leaving the chunk that holds the end of its last segment.
     at = lambda a: jnp.take(a, jnp.maximum(row_final_chunk, 0), axis=0)   # [B, ...]
-    leaving = at(m["decay_last"])[..., None] * at(states_NHKV) + jnp.swapaxes(
-        at(m["k_out"]), -1, -2) @ (at(m["t_mat"]) @ at(x_NHCV))
+    _, _, k_out, decay = decay_factors(*(at(m[name]) for name in ("q", "k", "G", "carry", "last", "keep")))
+    leaving = decay[..., None] * at(states_NHKV) + jnp.swapaxes(k_out, -1, -2) @ (at(m["t_mat"]) @ at(x_NHCV))
     final_BHKV = jnp.where((row_final_chunk >= 0)[:, None, None, None], leaving,
                            initial_state_BHKV.astype(jnp.float32))
     o_flat = _from_chunks(o_NHCV[None])[0]                  # [T_new, H, V]

@@ -7,8 +7,9 @@ backward of sum(o^2). The baseline is `src/lingpack/kernels/kda/chunked.py` at g
 (default: the kernel before the third pass of issue 15), loaded from `git show` as a module of its own;
 the current one is the working tree's. The two are timed interleaved, call by call, each call in process CPU
 time (load-robust: the machine is shared) and wall time; FLA's naive kernel (PyTorch) is timed in the same
-process. Also writes the kernel's GFLOP/s as bench_kda.py computes it (algorithmic FLOPs / wall seconds) and
-the largest gradient difference between the two revisions.
+process. Also writes the kernel's GFLOP/s as bench_kda.py computes it (algorithmic FLOPs / wall seconds), the
+largest gradient difference between the two revisions, each one's compile CPU time and XLA temp buffer size,
+and the minor page faults and system CPU time per call (XLA:CPU maps its temp buffer afresh on every call).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -57,14 +59,20 @@ def grad_fn(module, args, safe_gate):
                                              safe_gate=safe_gate)
         return jnp.sum(o * o)
     f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    jax.block_until_ready(f(*args))  # compile
-    return lambda: jax.block_until_ready(f(*args))
+    start = time.process_time()
+    compiled = f.lower(*args).compile()
+    info = {"compile_cpu_s": time.process_time() - start,
+            "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 20}
+    jax.block_until_ready(compiled(*args))
+    return (lambda: jax.block_until_ready(compiled(*args))), info
 
 
 def timed(fn):
-    cpu, wall = time.process_time(), time.perf_counter()
+    """fn's result, process CPU seconds, wall seconds, and the minor page faults and system CPU seconds it cost."""
+    usage, cpu, wall = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.perf_counter()
     out = fn()
-    return out, time.process_time() - cpu, time.perf_counter() - wall
+    cpu, wall, after = time.process_time() - cpu, time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_SELF)
+    return out, cpu, wall, after.ru_minflt - usage.ru_minflt, after.ru_stime - usage.ru_stime
 
 
 def main():
@@ -84,10 +92,11 @@ def main():
               "load_average_start": os.getloadavg()}
     fla = torch_fwd_bwd(fla_naive_module().naive_chunk_kda, inputs)
     fla()  # warm-up
-    fla_cpu, fla_wall = zip(*[timed(fla)[1:] for _ in range(args.fla_repeats)])
+    fla_cpu, fla_wall = zip(*[timed(fla)[1:3] for _ in range(args.fla_repeats)])
     result["fla_naive_chunk_kda"] = {"cpu_s": statistics.median(fla_cpu), "wall_s": statistics.median(fla_wall)}
     for gate, safe in (("safe_gate", True), ("any_gate", False)):
-        fns = {name: grad_fn(m, jax_args, safe) for name, m in modules.items()}
+        built = {name: grad_fn(m, jax_args, safe) for name, m in modules.items()}
+        fns = {name: fn for name, (fn, _) in built.items()}
         grads = {name: fn() for name, fn in fns.items()}
         diff = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
                    for a, b in zip(grads["baseline"], grads["current"]))
@@ -97,8 +106,10 @@ def main():
                 samples[name].append(timed(fn)[1:])
         row = {"max_grad_rel_diff": diff}
         for name, s in samples.items():
-            cpu, wall = statistics.median(c for c, _ in s), statistics.median(w for _, w in s)
-            row[name] = {"cpu_s": cpu, "wall_s": wall,
+            cpu, wall = statistics.median(x[0] for x in s), statistics.median(x[1] for x in s)
+            row[name] = {"cpu_s": cpu, "wall_s": wall, **built[name][1],
+                         "minor_page_faults": statistics.median(x[2] for x in s),
+                         "system_cpu_s": statistics.median(x[3] for x in s),
                          "fla_over_this_cpu": result["fla_naive_chunk_kda"]["cpu_s"] / cpu,
                          "fla_over_this_wall": result["fla_naive_chunk_kda"]["wall_s"] / wall,
                          "gflops_wall": chunked_flops(T, H, K, V) / wall / 1e9}
@@ -108,7 +119,11 @@ def main():
               f" {row['current']['cpu_s']:.3f} s CPU ({row['current']['wall_s']:.3f} wall): "
               f"{row['baseline_over_current_cpu']:.2f}x; FLA naive / current: {row['current']['fla_over_this_cpu']:.1f}x"
               f" CPU, {row['current']['fla_over_this_wall']:.1f}x wall; {row['current']['gflops_wall']:.1f} GFLOP/s;"
-              f" max grad rel diff {diff:.1e}", flush=True)
+              f" max grad rel diff {diff:.1e}; compile {row['baseline']['compile_cpu_s']:.1f} -> "
+              f"{row['current']['compile_cpu_s']:.1f} s CPU, temp {row['baseline']['temp_mib']:.0f} -> "
+              f"{row['current']['temp_mib']:.0f} MiB, page faults/call {row['baseline']['minor_page_faults']:.0f} -> "
+              f"{row['current']['minor_page_faults']:.0f}, system CPU {row['baseline']['system_cpu_s']:.3f} -> "
+              f"{row['current']['system_cpu_s']:.3f} s", flush=True)
     result["load_average_end"] = os.getloadavg()
     print(f"FLA naive_chunk_kda: {result['fla_naive_chunk_kda']['cpu_s']:.2f} s CPU,"
           f" {result['fla_naive_chunk_kda']['wall_s']:.2f} s wall; load {result['load_average_start']}"

@@ -117,7 +117,8 @@ def main():
         result[gate] = row
         print(f"{gate}: baseline {row['baseline']['cpu_s']:.3f} s CPU ({row['baseline']['wall_s']:.3f} wall), current"
               f" {row['current']['cpu_s']:.3f} s CPU ({row['current']['wall_s']:.3f} wall): "
-              f"{row['baseline_over_current_cpu']:.2f}x; FLA naive / current: {row['current']['fla_over_this_cpu']:.1f}x"
+              f"{row['baseline_over_current_cpu']:.2f}x; FLA naive / current:"
+              f" {row['current']['fla_over_this_cpu']:.1f}x"
               f" CPU, {row['current']['fla_over_this_wall']:.1f}x wall; {row['current']['gflops_wall']:.1f} GFLOP/s;"
               f" max grad rel diff {diff:.1e}; compile {row['baseline']['compile_cpu_s']:.1f} -> "
               f"{row['current']['compile_cpu_s']:.1f} s CPU, temp {row['baseline']['temp_mib']:.0f} -> "

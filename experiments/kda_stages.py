@@ -5,9 +5,9 @@
 B=1, T=4096, H=4, K=V=128, fp32, chunk 64, one document, gates in [-5, 0). Each stage is jitted alone
 (forward, and forward + backward of the sum of squares of its outputs) on the inputs it sees inside the
 kernel; process CPU time per call (median; the machine is shared, so wall time mostly measures the load)
-and XLA's FLOP count (which leaves out the work inside loops: the inter-chunk scan's). Stages: the decay products A_qk/A_kk (`safe_gate` and any gate), the unit-lower
-inverse, the whole intra-chunk part (both gates), the inter-chunk scan + outputs (with the decay factors it forms
-in its loop), and the whole kernel.
+and XLA's FLOP count (which leaves out the work inside loops: the inter-chunk scan's). Stages: the decay
+products A_qk/A_kk (`safe_gate` and any gate), the unit-lower inverse, the whole intra-chunk part (both gates),
+the inter-chunk scan + outputs (with the decay factors it forms in its loop), and the whole kernel.
 """
 
 from __future__ import annotations

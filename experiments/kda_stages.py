@@ -5,8 +5,9 @@
 B=1, T=4096, H=4, K=V=128, fp32, chunk 64, one document, gates in [-5, 0). Each stage is jitted alone
 (forward, and forward + backward of the sum of squares of its outputs) on the inputs it sees inside the
 kernel; process CPU time per call (median; the machine is shared, so wall time mostly measures the load)
-and XLA's FLOP count. Stages: the decay products A_qk/A_kk (`safe_gate` and any gate), the unit-lower
-inverse, the whole intra-chunk part (both gates), the inter-chunk scan + outputs, and the whole kernel.
+and XLA's FLOP count (which leaves out the work inside loops: the inter-chunk scan's). Stages: the decay
+products A_qk/A_kk (`safe_gate` and any gate), the unit-lower inverse, the whole intra-chunk part (both gates),
+the inter-chunk scan + outputs (with the decay factors it forms in its loop), and the whole kernel.
 """
 
 from __future__ import annotations
@@ -62,15 +63,17 @@ def main():
     bc = jnp.moveaxis(xs[4].reshape(B, N, C, H), 2, 3)
     seg = jnp.ones((B, N, 1, C), jnp.int32)
     G = jnp.cumsum(gc, axis=-2)
-    pre = ch._intra_chunk(qc, kc, vc, gc, bc, seg, sub=16, safe_gate=True)
-    major = lambda a: jnp.moveaxis(a, 1, 0)
+    pre = ch._intra_chunk(qc, kc, gc, bc, seg, sub=16, safe_gate=True)
+    every = jnp.ones(bc.shape, bool)  # one document: every token continues the state, is in the last segment
+    pre.update(q=qc, k=kc, v=vc, carry=every, last=every, keep=every[..., 0])
+    major = {name: ch._lanes_major(pre[name]) for name in ch.SCAN_INPUTS}
+    masks = [major.pop(name) for name in ("carry", "last", "keep")]
 
-    def inter(u, w, k_out, decay_last, q_decay, a_qk):  # the scan and the batched outputs, as in the kernel
+    def inter(*floats):  # the scan with the outputs, as in the kernel
         table = jnp.zeros((B + 1, H, K, V))
         idx = jnp.full((N, B), B, jnp.int32).at[0].set(jnp.arange(B))
         r = jnp.broadcast_to((jnp.arange(N) > 0)[:, None], (N, B)).astype(jnp.float32)
-        states, v_new, _ = ch.chunk_states(table, idx, r, u, w, k_out, decay_last)
-        return q_decay @ states + a_qk @ v_new
+        return ch.chunk_scan(table, idx, r, *floats, *masks)[0]
 
     whole = lambda safe: lambda q, k, v, g, b: ch.chunked_segment_native(
         q, k, v, g, b, segment_ids_BT=jnp.ones((B, T), jnp.int32), scale=K ** -0.5,
@@ -79,12 +82,11 @@ def main():
         "decay products, safe_gate": (lambda q, k, G: ch._decay_products(q, k, G, seg, sub=16, safe_gate=True), (qc, kc, G)),
         "decay products, any gate": (lambda q, k, G: ch._decay_products(q, k, G, seg, sub=16, safe_gate=False), (qc, kc, G)),
         "unit-lower inverse": (lambda a: ch.unit_lower_inverse(jnp.tril(a, -1)), (0.1 * pre["a_qk"],)),
-        "intra-chunk, safe_gate": (lambda q, k, v, g, b: ch._intra_chunk(q, k, v, g, b, seg, sub=16, safe_gate=True),
-                                   (qc, kc, vc, gc, bc)),
-        "intra-chunk, any gate": (lambda q, k, v, g, b: ch._intra_chunk(q, k, v, g, b, seg, sub=16, safe_gate=False),
-                                  (qc, kc, vc, gc, bc)),
-        "inter-chunk scan + outputs": (inter, tuple(major(pre[n]) for n in ("u", "w", "k_out", "decay_last", "q_decay",
-                                                                            "a_qk"))),
+        "intra-chunk, safe_gate": (lambda q, k, g, b: ch._intra_chunk(q, k, g, b, seg, sub=16, safe_gate=True),
+                                   (qc, kc, gc, bc)),
+        "intra-chunk, any gate": (lambda q, k, g, b: ch._intra_chunk(q, k, g, b, seg, sub=16, safe_gate=False),
+                                  (qc, kc, gc, bc)),
+        "inter-chunk scan + outputs (+ decay factors)": (inter, tuple(major.values())),
         "whole kernel, safe_gate": (whole(True), (q, k, v, g, beta)),
         "whole kernel, any gate": (whole(False), (q, k, v, g, beta)),
     }

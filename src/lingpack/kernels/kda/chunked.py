@@ -13,19 +13,18 @@ Per chunk of C tokens, with G the cumsum of g within the chunk and the token's s
   `segments.aligned_length` tokens, reset the state at chunks that start a segment, gather back.
 
 Padding tokens and alignment filler are no-ops (k = v = g = beta = 0), so they never touch the state.
-Gradients come from autodiff of this code, except two closed-form VJPs: the triangular inverse, and the
-inter-chunk recurrence (`chunk_states`: only the transposed recurrence runs in a loop).
+Gradients come from autodiff of this code, except closed-form VJPs: the triangular inverse with beta
+(`beta_inverse`), and the inter-chunk recurrence with the outputs (`chunk_scan`: every product in the loop).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from lingpack.kernels.kda import segments
 from lingpack.kernels.kda.gate import SUB_CHUNK, check_chunk_size  # decays factored per sub-chunk
-
-ANY_GATE_BASE = 4  # smallest blocks of the any-gate decay products, whose pairs are formed explicitly
 
 
 def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
@@ -36,17 +35,18 @@ def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
     exp(G_c - G_i) overflows if split as exp(G_c) exp(-G_i), so the chunk is split in halves recursively: the
     lower-left quarter of a block (rows in its 2nd half, columns in its 1st) is split at r = the block's middle
     row, exp(G_c - G_r) exp(G_r - G_i), both <= 1 for any gate: one batched matmul per level (a pair can only be
-    kept if r shares its segment, so other factors are zeroed). Base blocks of `base` tokens: with `safe_gate`
-    (every g >= -5) split at each token's segment start inside the block (a factor <= exp(5 * 15), far below
-    fp32's exp(88)); without it the pairs are formed explicitly. Exponents are masked BEFORE exp (NaN-free
-    gradients). q and k rows are interleaved so each level is one matmul for both products.
+    kept if r shares its segment, so other factors are zeroed). Base blocks: with `safe_gate` (every g >= -5),
+    `sub` tokens split at each token's segment start inside the block (a factor <= exp(5 * 15), far below
+    fp32's exp(88)); without it single tokens (the diagonal q_c . k_c; halving down to 1 token was faster on
+    CPU than forming 4x4 pairs explicitly). Exponents are masked BEFORE exp (NaN-free gradients). q and k rows
+    are interleaved so each level is one matmul for both products.
     """
     *outer, C, K = q_NCK.shape
     # one batch axis: a YNN fused transpose of XLA:CPU segfaulted on the 8-9-dim arrays of [B, N, H] (jaxlib 0.10.2)
     q_NCK, k_NCK, G_NCK = [a.reshape(-1, C, K) for a in (q_NCK, k_NCK, G_NCK)]
     seg_NC = jnp.broadcast_to(seg_NC, (*outer, C)).reshape(-1, C)
     P = q_NCK.shape[0]
-    base = sub if safe_gate else min(ANY_GATE_BASE, sub)
+    base = sub if safe_gate else 1
     size = base * 2 ** max(0, (C // base - 1).bit_length())     # halvable size >= C; pad rows/cols are masked
     if size != C:
         q_NCK, k_NCK, G_NCK = [jnp.pad(a, [(0, 0), (0, size - C), (0, 0)]) for a in (q_NCK, k_NCK, G_NCK)]
@@ -66,10 +66,9 @@ def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
         pos = jnp.exp(G_b - G_ref)                                       # exponent <= 0
         A = jnp.einsum("...cxk,...ik->...cxi", jnp.stack([q_b * pos, k_b * pos], -2),
                        k_b * jnp.exp(G_ref - G_b))                       # exponent in [0, 75]
-    else:
-        decay = jnp.exp(jnp.where(incl[..., None], G_b[..., :, None, :] - G_b[..., None, :, :], 0.0))
-        kd = decay * k_b[..., None, :, :]
-        A = jnp.stack([jnp.einsum("...ck,...cik->...ci", x, kd) for x in (q_b, k_b)], -2)
+    else:  # 1-token blocks: a token's own pair has no decay, q_c . k_c (A_kk is strictly lower)
+        diag = jnp.einsum("...ck,...ck->...c", q_b, k_b)
+        A = jnp.stack([diag, jnp.zeros_like(diag)], -1)[..., None]
     A = jnp.where(mask, A, 0.0)                                          # [.., n, s, 2, s]
     s = base
     while s < size:
@@ -117,62 +116,127 @@ def _inverse_fwd(L_CC):
     return X, X
 
 
-def _inverse_bwd(X_CC, dX_CC):
+def _inverse_cotangent(X_CC, dX_CC):
     Xt = jnp.swapaxes(X_CC, -1, -2)
     # d(M^-1) = -M^-1 dM M^-1 with M = I + L; only the strictly lower entries of L are free.
-    return (jnp.tril(-(Xt @ dX_CC @ Xt), -1),)
+    return jnp.tril(-(Xt @ dX_CC @ Xt), -1)
 
 
-unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+unit_lower_inverse.defvjp(_inverse_fwd, lambda X, dX: (_inverse_cotangent(X, dX),))
 
 
 @jax.custom_vjp
-def chunk_states(table_RHKV, idx_NL, r_NL, u_NLHCV, w_NLHCK, k_NLHCK, decay_NLHK):
-    """The inter-chunk recurrence over N chunks of L independent lanes (the only sequential part):
-        S_in[n] = r[n] S_out[n-1] + table[idx[n]];   v[n] = u[n] - w[n] S_in[n];
-        S_out[n] = decay[n] S_in[n] + k[n]^T v[n]            (S_out[-1] = 0; r is 0/1)
-    Returns S_in [N, L, H, K, V], v [N, L, H, C, V] and S_out[N - 1]. Its VJP runs only the transposed
-    recurrence in the loop (2 matmuls a step) and forms the weight gradients outside as batched matmuls.
+def beta_inverse(A_kk_CC, beta_C):
+    """Tm = (I + Diag(beta) A_kk)^-1 Diag(beta) for strictly lower A_kk. Its VJP forms beta's gradient as batched
+    dot products: autodiff's broadcast multiplies turn into fused multiply + reduce, ~10x slower on XLA:CPU."""
+    return _beta_inverse_fwd(A_kk_CC, beta_C)[0]
+
+
+def _beta_inverse_fwd(A_kk, beta):
+    X = unit_lower_inverse(beta[..., :, None] * A_kk)
+    return X * beta[..., None, :], (A_kk, beta, X)
+
+
+def _beta_inverse_bwd(res, dT):
+    A_kk, beta, X = res
+    dL = _inverse_cotangent(X, dT * beta[..., None, :])
+    d_beta = jnp.einsum("...ci,...ci->...i", dT, X) + jnp.einsum("...ci,...ci->...c", dL, A_kk)
+    return dL * beta[..., :, None], d_beta
+
+
+beta_inverse.defvjp(_beta_inverse_fwd, _beta_inverse_bwd)
+
+
+def decay_factors(q_MCK, k_MCK, G_MCK, carry_MC, last_MC, keep_M):
+    """A chunk's gate-decayed operands from its cumsum G (masks: the token continues the incoming state's segment;
+    the token is in the chunk's last segment; the whole chunk continues): q exp(G) and k exp(G) (rows that do not
+    continue the state zeroed), k exp(G_last - G) over the last segment (exponent <= 0), exp(G_last) or 0."""
+    eG = jnp.exp(G_MCK)
+    carry, last = carry_MC[..., None], last_MC[..., None]
+    k_out = jnp.where(last, jnp.exp(jnp.where(last, G_MCK[..., -1:, :] - G_MCK, 0.0)) * k_MCK, 0.0)
+    return (jnp.where(carry, q_MCK * eG, 0.0), jnp.where(carry, k_MCK * eG, 0.0), k_out,
+            jnp.where(keep_M[..., None], jnp.exp(G_MCK[..., -1, :]), 0.0))
+
+
+SCAN_INPUTS = ("q", "k", "G", "v", "t_mat", "a_qk", "carry", "last", "keep")  # chunk_scan's per-chunk inputs
+
+
+@jax.custom_vjp
+def chunk_scan(table_RHKV, idx_NL, r_NL, q_NMCK, k_NMCK, G_NMCK, v_NMCV, t_NMCC, a_NMCC, carry_NMC, last_NMC,
+               keep_NM):
+    """The inter-chunk recurrence over N chunks of L independent lanes (the only sequential part), and the outputs;
+    lanes and heads are flattened, M = L * H (no size-1 axes, which XLA:CPU relayouts with copies). With
+    qd, kd, ko, decay = `decay_factors` of chunk n:
+        S_in[n] = r[n] S_out[n-1] + table[idx[n]];   x[n] = v[n] - kd[n] S_in[n];   v'[n] = t[n] x[n]
+        o[n] = qd[n] S_in[n] + a[n] v'[n];   S_out[n] = decay[n] S_in[n] + ko[n]^T v'[n]   (S_out[-1] = 0; r is 0/1)
+    (v' = U - W S of the WY form with U = t v, W = t kd, without forming U and W.) Returns o [N, M, C, V],
+    S_in [N, M, K, V], x [N, M, C, V] and S_out[N - 1] [M, K, V]. The decay factors and every product are
+    computed inside the loop, forward and backward, while the chunk's state is in cache (batched over all chunks,
+    the [K, V] states stream from memory: ~2x slower on CPU); only the transposed recurrence is sequential.
     """
-    return _chunk_states_fwd(table_RHKV, idx_NL, r_NL, u_NLHCV, w_NLHCK, k_NLHCK, decay_NLHK)[0]
+    return _chunk_scan(table_RHKV, idx_NL, r_NL, q_NMCK, k_NMCK, G_NMCK, v_NMCV, t_NMCC, a_NMCC, carry_NMC,
+                       last_NMC, keep_NM)[0]
 
 
-def _chunk_states_fwd(table, idx, r, u, w, k, decay):
-    def step(S_LHKV, x):
-        idx_L, r_L, u_n, w_n, k_n, d_n = x
-        S_in = r_L[:, None, None, None] * S_LHKV + table[idx_L]
-        v_n = u_n - w_n @ S_in
-        return d_n[..., None] * S_in + jnp.swapaxes(k_n, -1, -2) @ v_n, (S_in, v_n)
-
-    S0 = jnp.zeros((idx.shape[1], *table.shape[1:]), table.dtype)
-    S_last, (S_in, v) = jax.lax.scan(step, S0, (idx, r, u, w, k, decay))
-    return (S_in, v, S_last), (table, idx, r, w, k, decay, S_in, v)
+def _lanes(table, idx_L, r_L):
+    """Per flattened lane (lane-major, then head): the table rows, and r as a [M, 1, 1] factor."""
+    rows = table[idx_L]
+    return rows.reshape(-1, *rows.shape[2:]), jnp.repeat(r_L, table.shape[1])[:, None, None]
 
 
-def _chunk_states_bwd(res, cts):
-    table, idx, r, w, k, decay, S_in, v = res
-    dS_in_ext, dv_ext, dS_last = cts
+def _chunk_scan(table, idx, r, q, k, G, v, t, a, carry, last, keep):
+    def step(S_MKV, xs):
+        idx_L, r_L, q_n, k_n, G_n, v_n, t_n, a_n, c_n, l_n, keep_n = xs
+        qd, kd, ko, d = decay_factors(q_n, k_n, G_n, c_n, l_n, keep_n)
+        rows, r_M = _lanes(table, idx_L, r_L)
+        S_in = r_M * S_MKV + rows
+        x_n = v_n - kd @ S_in
+        v_new = t_n @ x_n
+        S_out = d[..., None] * S_in + jnp.swapaxes(ko, -1, -2) @ v_new
+        return S_out, (qd @ S_in + a_n @ v_new, S_in, x_n)
 
-    def step(carry, x):
-        dS_out, d_table = carry                              # dS_out: gradient of S_out[n]
-        idx_L, r_L, w_n, k_n, d_n, dS_in_n, dv_n = x
-        dv = dv_n + k_n @ dS_out
-        dS_in = d_n[..., None] * dS_out + dS_in_n - jnp.swapaxes(w_n, -1, -2) @ dv
-        return (r_L[:, None, None, None] * dS_in, d_table.at[idx_L].add(dS_in)), (dS_out, dv)
-
-    (_, d_table), (dS_out, dv) = jax.lax.scan(step, (dS_last, jnp.zeros_like(table)),
-                                              (idx, r, w, k, decay, dS_in_ext, dv_ext), reverse=True)
-    dw = -(dv @ jnp.swapaxes(S_in, -1, -2))
-    dk = v @ jnp.swapaxes(dS_out, -1, -2)
-    d_decay = jnp.einsum("...kv,...kv->...k", S_in, dS_out)  # XLA:CPU's fused multiply-reduce is ~20x slower
-    return d_table, None, None, dv, dw, dk, d_decay
+    S0 = jnp.zeros((idx.shape[1] * table.shape[1], *table.shape[2:]), table.dtype)
+    S_last, (o, S_in, x) = jax.lax.scan(step, S0, (idx, r, q, k, G, v, t, a, carry, last, keep))
+    return (o, S_in, x, S_last), (table, idx, r, q, k, G, t, a, carry, last, keep, S_in, x)
 
 
-chunk_states.defvjp(_chunk_states_fwd, _chunk_states_bwd)
+def _chunk_scan_fwd(*primals):  # symbolic zeros: the outputs a caller drops (S_in, x) add no work backward
+    return _chunk_scan(*(p.value for p in primals))
 
 
-def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
-    """Everything that does not depend on the carried state, for all chunks at once ([.., H, C, *]).
+def _chunk_scan_bwd(res, cts):
+    table, idx, r, q, k, G, t, a, carry, last, keep, S_in, x = res
+    do, dS_in_ext, dx_ext, dS_last = cts
+    tr = lambda m: jnp.swapaxes(m, -1, -2)
+    extra = {n: c for n, c in (("dS_in", dS_in_ext), ("dx", dx_ext)) if not isinstance(c, SymbolicZero)}
+
+    def step(carry_, xs):
+        dS_out, d_table = carry_                             # dS_out: gradient of S_out[n]
+        idx_L, r_L, q_n, k_n, G_n, t_n, a_n, c_n, l_n, keep_n, S_n, x_n, do_n, ext = xs
+        (qd, kd, ko, d), factors_vjp = jax.vjp(lambda *qkG: decay_factors(*qkG, c_n, l_n, keep_n), q_n, k_n, G_n)
+        v_new = t_n @ x_n                                    # recomputed: cheaper than storing it
+        dv_new = ko @ dS_out + tr(a_n) @ do_n
+        dx = tr(t_n) @ dv_new + ext.get("dx", 0.0)
+        dS_in = d[..., None] * dS_out + tr(qd) @ do_n - tr(kd) @ dx + ext.get("dS_in", 0.0)
+        dq, dk, dG = factors_vjp((do_n @ tr(S_n), -(dx @ tr(S_n)), v_new @ tr(dS_out),
+                                  jnp.einsum("...kv,...kv->...k", S_n, dS_out)))
+        grads = (dq, dk, dG, dx, dv_new @ tr(x_n), do_n @ tr(v_new))
+        return (_lanes(table, idx_L, r_L)[1] * dS_in, d_table.at[idx_L].add(dS_in.reshape(-1, *table.shape[1:]))), grads
+
+    if isinstance(dS_last, SymbolicZero):
+        dS_last = jnp.zeros((idx.shape[1] * table.shape[1], *table.shape[2:]), table.dtype)
+    (_, d_table), (dq, dk, dG, dv, dt, da) = jax.lax.scan(
+        step, (dS_last, jnp.zeros_like(table)), (idx, r, q, k, G, t, a, carry, last, keep, S_in, x, do, extra),
+        reverse=True)
+    return d_table, None, None, dq, dk, dG, dv, dt, da, None, None, None
+
+
+chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd, symbolic_zeros=True)
+
+
+def _intra_chunk(q, k, g, beta, seg_C, *, sub: int, safe_gate: bool):
+    """Everything that does not depend on the carried state, for all chunks at once ([.., H, C, *]): the
+    segment-local cumsum G, A_qk and t = (I + Diag(beta) A_kk)^-1 Diag(beta).
 
     `seg_C` (ids broadcastable to [.., C]) marks segments inside a chunk; None = the chunk is one segment.
     """
@@ -188,19 +252,8 @@ def _intra_chunk(q, k, v, g, beta, seg_C, *, sub: int, safe_gate: bool):
         prefix = jnp.broadcast_to(prefix, (*g.shape[:-2], C, C))  # per head: no transposes of g and its gradient
         G = jnp.einsum("...ci,...ik->...ck", prefix, g, precision="highest")
     A = _decay_products(q, k, G, seg_C, sub=sub, safe_gate=safe_gate)
-    A_qk, A_kk = A[..., :, 0, :], A[..., :, 1, :]
-    lower = beta[..., :, None] * A_kk
-    # Tm = (I + L)^-1 Diag(beta), L strictly lower (block-diagonal per segment).
-    t_mat = unit_lower_inverse(lower) * beta[..., None, :]
-    w = t_mat @ (jnp.exp(G) * k)
-    u = t_mat @ v
-    G_last = G[..., -1:, :]
-    in_last = (seg_C == seg_C[..., -1:])[..., None]  # tokens of the chunk's last segment build the outgoing state
-    return dict(
-        q_decay=q * jnp.exp(G), w=w, u=u, a_qk=A_qk,
-        k_out=jnp.where(in_last, jnp.exp(jnp.where(in_last, G_last - G, 0.0)) * k, 0.0),  # exponent <= 0
-        decay_last=jnp.exp(G_last[..., 0, :]),   # [.., K]
-    )
+    # t is block-diagonal per segment, as A_kk
+    return dict(G=G, a_qk=A[..., :, 0, :], t_mat=beta_inverse(A[..., :, 1, :], beta))
 
 
 def _to_chunks(x_BTH_, n_chunks, chunk_size):
@@ -213,6 +266,12 @@ def _to_chunks(x_BTH_, n_chunks, chunk_size):
 def _from_chunks(x_BNHCV):
     B, N, H, C, V = x_BNHCV.shape
     return jnp.moveaxis(x_BNHCV, 3, 2).reshape(B, N * C, H, V)
+
+
+def _lanes_major(x_BNH_):
+    """[B, N, H, *] -> [N, B * H, *]: chunk-major, lanes and heads flattened for `chunk_scan`."""
+    B, N, H = x_BNH_.shape[:3]
+    return jnp.moveaxis(x_BNH_, 1, 0).reshape(N, B * H, *x_BNH_.shape[3:])
 
 
 def _prepare(q, k, v, g, beta, real_BT, scale):
@@ -244,24 +303,19 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
     ids_BNC = ids.reshape(B, n_chunks, chunk_size)
     prev_last = jnp.concatenate([ids_BNC[:, :1, 0], ids_BNC[:, :-1, -1]], axis=1)     # [B, N]
     carry_BNC = ids_BNC == prev_last[..., None]        # token continues the segment the state belongs to
-    pre = _intra_chunk(q, k, v, g, beta, ids_BNC[:, :, None], sub=sub_chunk, safe_gate=safe_gate)
-    carry = carry_BNC[:, :, None, :, None]
-    pre["w"] = pre["w"] * carry
-    pre["q_decay"] = pre["q_decay"] * carry
-    keep_BN = carry_BNC[..., -1]                       # the whole chunk continues: carry the decayed state on
-
-    chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
-    decay_NBHK = jnp.where(keep_BN.T[..., None, None], chunk_major["decay_last"], 0.0)
+    pre = _intra_chunk(q, k, g, beta, ids_BNC[:, :, None], sub=sub_chunk, safe_gate=safe_gate)
+    heads = lambda x_BN_: jnp.broadcast_to(x_BN_[:, :, None], (B, n_chunks, H, *x_BN_.shape[2:]))
+    # t_mat is block-diagonal per segment, so masking k's rows masks W's; keep: the whole chunk continues
+    pre.update(q=q, k=k, v=v, carry=heads(carry_BNC), last=heads(ids_BNC == ids_BNC[..., -1:]),
+               keep=heads(carry_BNC[..., -1]))
+    m = jax.tree.map(_lanes_major, pre)
     # lane b starts from table row b (its initial state); later chunks add the zero row B
     table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
     idx_NB = jnp.full((n_chunks, B), B, jnp.int32).at[0].set(jnp.arange(B))
     r_NB = jnp.broadcast_to((jnp.arange(n_chunks) > 0)[:, None], (n_chunks, B)).astype(jnp.float32)
-    states_NBHKV, v_new_NBHCV, final_BHKV = chunk_states(table, idx_NB, r_NB, chunk_major["u"], chunk_major["w"],
-                                                         chunk_major["k_out"], decay_NBHK)
-    # Outputs need no recurrence: one batched matmul over all chunks once the entering states are known.
-    o_NBHCV = chunk_major["q_decay"] @ states_NBHKV + chunk_major["a_qk"] @ v_new_NBHCV
-    o_BTHV = _from_chunks(jnp.moveaxis(o_NBHCV, 0, 1))[:, :T]
-    return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV
+    o_NMCV, _, _, final_MKV = chunk_scan(table, idx_NB, r_NB, *(m[name] for name in SCAN_INPUTS))
+    o_BTHV = _from_chunks(jnp.moveaxis(o_NMCV.reshape(n_chunks, B, H, chunk_size, V), 0, 1))[:, :T]
+    return jnp.where(real[..., None, None], o_BTHV, 0.0), final_MKV.reshape(B, H, K, V)
 
 
 def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale, initial_state_BHKV,
@@ -279,7 +333,9 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
         x.reshape(B * T, *x.shape[2:]), mode="drop")[None]
     q, k, v, g = [_to_chunks(scatter(x), n_chunks, chunk_size) for x in xs[:4]]
     beta = jnp.moveaxis(scatter(xs[4]).reshape(1, n_chunks, chunk_size, H), 2, 3)
-    pre = _intra_chunk(q, k, v, g, beta, None, sub=sub_chunk, safe_gate=safe_gate)
+    pre = _intra_chunk(q, k, g, beta, None, sub=sub_chunk, safe_gate=safe_gate)
+    every = jnp.ones(beta.shape, bool)               # one segment per chunk; resets come from r and the table
+    pre.update(q=q, k=k, v=v, carry=every, last=every, keep=every[..., 0])
 
     # Initial state per chunk: a row's first segment starts from that row's state, others from zero.
     init_table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
@@ -287,19 +343,17 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
     last_seg = jnp.clip(plan.row_last_seg, 0, max_segs - 1)
     row_final_chunk = jnp.where(plan.row_last_seg >= 0, plan.seg_last_chunk[last_seg], -1)   # [B]
 
-    chunk_major = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), pre)
+    m = jax.tree.map(_lanes_major, pre)             # [N, H, ...]: the one lane of the aligned buffer
     reset_N1 = plan.chunk_starts_seg[:, None]
     idx_N1 = jnp.where(reset_N1, plan.chunk_init_row[:, None], B).astype(jnp.int32)
-    states_N1HKV, v_new_N1HCV, _ = chunk_states(init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32),
-                                                chunk_major["u"], chunk_major["w"], chunk_major["k_out"],
-                                                chunk_major["decay_last"])
+    o_NHCV, states_NHKV, x_NHCV, _ = chunk_scan(init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32),
+                                                *(m[name] for name in SCAN_INPUTS))
     # Each row's final state: the state leaving the chunk that holds the end of its last segment.
-    at = lambda a: jnp.take(a[:, 0], jnp.maximum(row_final_chunk, 0), axis=0)   # [B, ...]
-    leaving = at(chunk_major["decay_last"])[..., None] * at(states_N1HKV) + jnp.swapaxes(
-        at(chunk_major["k_out"]), -1, -2) @ at(v_new_N1HCV)
+    at = lambda a: jnp.take(a, jnp.maximum(row_final_chunk, 0), axis=0)   # [B, ...]
+    _, _, k_out, decay = decay_factors(*(at(m[name]) for name in ("q", "k", "G", "carry", "last", "keep")))
+    leaving = decay[..., None] * at(states_NHKV) + jnp.swapaxes(k_out, -1, -2) @ (at(m["t_mat"]) @ at(x_NHCV))
     final_BHKV = jnp.where((row_final_chunk >= 0)[:, None, None, None], leaving,
                            initial_state_BHKV.astype(jnp.float32))
-    o_N1HCV = chunk_major["q_decay"] @ states_N1HKV + chunk_major["a_qk"] @ v_new_N1HCV  # batched, outside the scan
-    o_flat = _from_chunks(jnp.moveaxis(o_N1HCV, 0, 1))[0]                  # [T_new, H, V]
+    o_flat = _from_chunks(o_NHCV[None])[0]                  # [T_new, H, V]
     o_BTHV = jnp.take(o_flat, plan.dest, axis=0, mode="fill", fill_value=0.0).reshape(B, T, H, V)
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV

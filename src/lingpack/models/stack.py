@@ -77,15 +77,15 @@ class LayerStack(nnx.Module):
         for mixer in present:
             graphdefs[mixer], states[mixer] = nnx.split(getattr(self, mixer))
         ffn_def, ffn_state = nnx.split(self.ffn)
-        # per layer: its mixer, and the index into each mixer stack (the last layer of that mixer so far, for the other)
+        # per layer: its mixer, and its index into each mixer stack (for the other mixer: that mixer's last layer so far)
         is_mla_L = jnp.array([m == "mla" for m in self.mixers])
-        index_L = {m: jnp.array([max(0, self.mixers[:i + 1].count(m) - 1) for i in range(len(self.mixers))], jnp.int32)
-                   for m in present}
+        n = len(self.mixers)
+        index_L = {m: jnp.array([max(0, self.mixers[:i + 1].count(m) - 1) for i in range(n)], jnp.int32) for m in present}
 
         def layer(x, is_mla, index, ffn_weights, states, segment_ids, positions):
             # mixer weights sliced outside the cond: a slice's gradient then accumulates into its stack in place
-            weights = {m: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index[m], keepdims=False), states[m])
-                       for m in present}
+            take = lambda m: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index[m], keepdims=False), states[m])
+            weights = {m: take(m) for m in present}
             run = {m: lambda x, w, m=m: mix(nnx.merge(graphdefs[m], w[m]), x, segment_ids, positions) for m in present}
             if len(present) == 1:
                 x = run[present[0]](x, weights)

@@ -99,7 +99,9 @@ def test_deep_scanned_equals_unrolled():
     check_scanned_equals_unrolled(*build(DEEP))
 
 
+@pytest.mark.slow
 def test_single_mixer_stack_equals_unrolled():
+    """The scan without a cond (no default config has one mixer only)."""
     assert MLA_ONLY.scanned_layers() == range(1, 3)
     scanned, unrolled = build(MLA_ONLY)
     assert scanned.stack.kda is None and scanned.stack.mixers == ("mla", "mla")  # no cond in the scan

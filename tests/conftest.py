@@ -46,6 +46,8 @@ HEAVY_DUPLICATES = {
         "bundled corpus + checkpoints: the run.py SIGTERM/resume smoke",
     "tests/models/test_ling3.py::test_packed_equals_per_document[reference-splash]":
         "splash itself: tests/kernels/test_attention.py; model packing: the other pairings",
+    "tests/models/test_ling3.py::test_no_leakage_between_documents[reference-splash]":
+        "splash itself: tests/kernels/test_attention.py; model leakage: the other pairings",
 }
 
 

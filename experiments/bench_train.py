@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -97,8 +96,7 @@ def packed_batch(B: int, T: int, vocab: int, seed: int = 0, median_doc: int | No
     return {k: jnp.asarray(np.where(seg != 0, v, 0) if k in ("inputs", "targets") else v) for k, v in batch.items()}
 
 
-def cpu_seconds() -> float:
-    return sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # user + system seconds of this process, all threads
+cpu_seconds = time.process_time  # user + system seconds of this process, all threads
 
 
 def interleaved(fns: dict, repeats: int, cpu: dict | None = None) -> dict:

@@ -145,7 +145,7 @@ def test_train_step_with_pallas_segment_exports_for_tpu_with_fsdp_tensor():
     batch = {key: jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=row) for key in
              ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")}
     module = jax.export.export(step, platforms=["tpu"])(state, batch).mlir_module()
-    assert model.scanned_layers() == range(1, 5) and "stablehlo.while" in module and "stablehlo.case" in module
+    assert model.scanned_layers() == range(1, 5) and "stablehlo.case" in module  # the layer scan's cond on the mixer
     assert set(re.findall(r"kda_segment_\w+", module)) == {"kda_segment_fwd", "kda_segment_states", "kda_segment_bwd"}
     assert set(re.findall(r"manual_axes=\{[^}]*\}", module)) == {
         'manual_axes={"data", "fsdp", "tensor", "expert", "context"}'}

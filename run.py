@@ -42,7 +42,7 @@ def launch_overrides(argv: list[str], environ) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    from lingpack.config import ConfigError
+    from lingpack.errors import ConfigError
     from lingpack.distributed import DistributedError
     from lingpack.experiment import run_from_hydra
     try:

@@ -14,6 +14,7 @@ import typing
 
 from lingpack.data.config import DataConfig
 from lingpack.distributed import DistributedConfig
+from lingpack.errors import ConfigError  # noqa: F401  (re-exported: callers catch it from here too)
 from lingpack.kernels.kda import api as kda_api
 from lingpack.kernels.kda import gate as kda_gate
 from lingpack.models.ling3 import Ling3Config, config_from_dict
@@ -22,10 +23,6 @@ from lingpack.train.schedule import ContextSchedule
 
 LOGGER_KINDS = ("wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot run, with the key and the fix in the message."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from lingpack.distributed import local_or_url
+from lingpack.errors import ConfigError
 from lingpack.train.configs import CheckpointConfig
 from lingpack.train.step import TrainState
 
@@ -83,7 +84,6 @@ class Checkpointer:
         except Exception:  # noqa: BLE001  metadata in another layout: Orbax's restore still checks
             return
         have, want = _shapes(stored), _shapes(params)
-        from lingpack.config import ConfigError
         missing, unknown = sorted(set(want) - set(have)), sorted(set(have) - set(want))
         if missing or unknown:
             raise ConfigError(

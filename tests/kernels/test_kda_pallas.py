@@ -6,7 +6,6 @@ One shape per dtype, so each implementation compiles once and every layout reuse
 """
 import functools
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lingpack import backend
+from lingpack.errors import ConfigError
 from lingpack.kernels.kda import api, gate, pallas_chunk, pallas_common, segments
 from tests.kernels.kda_cases import (fla_naive_module, make_inputs, pallas_impls, per_document_oracle, rms_ratio,
                                      segments_from_lengths)
@@ -225,14 +226,13 @@ def test_prologue_backward_matches_autodiff(gate_kind):
         assert not np.asarray(padded).any()
 
 
-def test_interpret_defaults_to_true_off_tpu_and_warns_once(monkeypatch):
-    monkeypatch.setattr(pallas_common, "_warned", False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert pallas_common.resolve_interpret(None) is True
-        assert pallas_common.resolve_interpret(None) is True
-        assert pallas_common.resolve_interpret(False) is False
-    assert len([w for w in caught if "interpret mode" in str(w.message)]) == 1
+def test_interpret_follows_the_backend_target():
+    assert pallas_common.resolve_interpret(None) is True          # CPU: interpret (tests)
+    assert pallas_common.resolve_interpret(False) is False        # asked: Mosaic lowering
+    with backend.target("tpu"):
+        assert pallas_common.resolve_interpret(None) is False
+    with backend.target("gpu"), pytest.raises(ConfigError, match="kernel=chunked"):
+        pallas_common.resolve_interpret(None)
 
 
 def test_varlen_overflow_raises_and_bad_head_dim_names_the_fix():

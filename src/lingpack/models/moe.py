@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from lingpack import backend
 from lingpack.models.layers import DEFAULT_INIT, MLP, partitioned
 from lingpack.parallel.context import current, dividing_axes
 
@@ -145,7 +146,7 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat_expert, stable=True)
         x_sorted = x_ND[order // k].astype(self.dtype)
         group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
-        tiled = self.cfg.grouped_matmul == "tiled" or (self.cfg.grouped_matmul == "auto" and jax.default_backend() == "cpu")
+        tiled = self.cfg.grouped_matmul == "tiled" or (self.cfg.grouped_matmul == "auto" and backend.current() == "cpu")
         grouped = tiled_grouped_matmul if tiled else jax.lax.ragged_dot
         mm = lambda a, w: grouped(a, w.astype(self.dtype), group_sizes,
                                   preferred_element_type=jnp.float32)  # fp32 accumulation for bf16

@@ -1,4 +1,4 @@
-"""The Pallas TPU splash-attention kernel with `SegmentIds`; interpret mode off-TPU (CPU tests).
+"""The Pallas TPU splash-attention kernel with `SegmentIds`; interpret mode only on CPU or when asked.
 
 Splash masks pairs whose segment ids differ; we add the causal mask statically. It does not scale q,
 so q is pre-multiplied by `scale`. T is padded up to a multiple of `block` (the kernel's tile) with
@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
+from lingpack import backend
+
 
 @functools.lru_cache(maxsize=32)
 def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: bool):
@@ -30,8 +32,8 @@ def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: b
 
 def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,
                      block: int = 128, interpret: bool | None = None):
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+    interpret = backend.pallas_interpret(interpret, kernel="splash attention",
+                                         alternative="model.attention_impl=flash")
     B, T, H, K = q_BTHK.shape
     t_pad = -(-T // block) * block
     pad = t_pad - T

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,26 +19,18 @@ from jax._src.interpreters import partial_eval as pe
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from lingpack import backend
 from lingpack.kernels.kda import gate
 from lingpack.kernels.kda import pallas_chunk as chunk
 from lingpack.kernels.kda.pallas_chunk import iota
 
 f32 = jnp.float32
 
-_warned = False
-
-
 def resolve_interpret(interpret: bool | None) -> bool:
-    """None -> interpret unless the default backend is a TPU (warned once per process)."""
-    global _warned
-    if interpret is not None:
-        return bool(interpret)
-    on_tpu = jax.default_backend() == "tpu"
-    if not on_tpu and not _warned:
-        _warned = True
-        warnings.warn(f"Pallas KDA kernels run in interpret mode on backend {jax.default_backend()!r} (slow; "
-                      "for tests and debugging only)", stacklevel=3)
-    return not on_tpu
+    """Interpret mode for the Pallas KDA kernels: what was asked, else the backend target's side
+    (lingpack/backend.py: Mosaic on TPU, interpret on CPU, an error naming `chunked` on GPU)."""
+    return backend.pallas_interpret(interpret, kernel="the Pallas KDA kernel (pallas_segment / pallas_varlen)",
+                                    alternative="kernel=chunked")
 
 
 TABLE_ROWS = 8            # chunks per table block

@@ -27,11 +27,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
 import concurrent.futures  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -39,6 +36,8 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import yaml  # noqa: E402
+
+from lingpack import hlo as hlo_lib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/context_parallel/results"
@@ -50,69 +49,11 @@ VARIANTS = {   # code changes measured against the main grid (which stays as it 
                  "token axis, which XLA runs on every token on every device).",
 }
 KINDS = ("all-gather", "collective-permute", "all-reduce", "reduce-scatter", "all-to-all")
-DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
-
-
-# ---------------------------------------------------------------- HLO collectives (executed, with loop trip counts)
-
-def _shape_bytes(shape: str) -> int:
-    return sum(DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
-               for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
-
-
-def _group_size(line: str) -> int | None:
-    """Devices per replica group of a collective (None: not stated, e.g. collective-permute)."""
-    listed = re.search(r"replica_groups=\{\{([^}]*)\}", line)
-    if listed:
-        return len(listed.group(1).split(","))
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
-    return int(iota.group(2)) if iota else None
 
 
 def collectives(hlo: str) -> dict:
-    """{kind: {"count": executed ops, "bytes": their result bytes}} of a compiled module's HLO text.
-
-    A computation's ops run once per call; a `while` body runs its known trip count times (unknown: once,
-    and `unknown_trip_counts` says how many loops that was). Collectives whose replica groups are single
-    devices move nothing and are only counted (`trivial`)."""
-    comps, name, entry = {}, None, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head:
-            name = head.group(2)
-            comps[name] = []
-            entry = name if head.group(1) else entry
-        elif name is not None and line.strip() and line.strip() != "}":
-            comps[name].append(line)
-    totals = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
-    unknown, trivial = [0], [0]
-
-    def visit(comp: str, times: int) -> None:
-        for line in comps.get(comp, []):
-            line = re.sub(r"/\*.*?\*/", "", line)   # tuple shapes carry /*index=5*/ comments
-            op = re.search(r"=\s*(\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(", line)
-            if op:
-                shape, opcode = op.groups()
-                kind = opcode[:-5] if opcode.endswith("-done") else opcode
-                if kind in KINDS and _group_size(line) == 1:
-                    trivial[0] += times   # over size-1 mesh axes (e.g. a cotangent's psum over `data`=1): no traffic
-                elif kind in KINDS:
-                    totals[kind]["count"] += times
-                    totals[kind]["bytes"] += times * _shape_bytes(shape)
-                if opcode == "while":
-                    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                    unknown[0] += trip is None
-                    visit(re.search(r"body=%?([\w.\-]+)", line).group(1), times * int(trip.group(1) if trip else 1))
-                    continue
-            for callee in re.findall(r"(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)", line):
-                visit(callee, times)
-            for branches in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                for callee in re.findall(r"%?([\w.\-]+)", branches):
-                    visit(callee, times)  # a conditional's branches: counted as if each ran (an upper bound)
-
-    visit(entry, 1)
-    return {"by_kind": {k: dict(totals[k]) for k in KINDS if k in totals}, "unknown_trip_counts": unknown[0],
-            "trivial": trivial[0], "counter": COUNTER}
+    """lingpack.hlo's per-kind executed collectives, stamped with the counter version the table reads."""
+    return dict(hlo_lib.collectives(hlo), counter=COUNTER)
 
 
 # ---------------------------------------------------------------- one configuration (runs in a subprocess)

@@ -113,38 +113,26 @@ def test_interpret_numerics_on_sharded_mesh_equal_single_device(impl):
 
 def test_train_step_with_pallas_segment_exports_for_tpu_with_fsdp_tensor():
     """The jitted train step (forward, backward, AdamW) of a small Ling3 with kernel=pallas_segment under
-    conf/parallel/fsdp_tensor.yaml (data 2 x fsdp 2 x tensor 2): every KDA kernel lowers inside a shard_map."""
+    conf/parallel/fsdp_tensor.yaml (data 2 x fsdp 2 x tensor 2), traced as a TPU run traces it (the backend
+    target; `kernel.interpret` left unset): every KDA kernel lowers through Mosaic inside a shard_map."""
     from lingpack.models.kda import KDAConfig
     from lingpack.models.ling3 import Ling3Config
     from lingpack.models.mla import MLAConfig
     from lingpack.models.moe import MoEConfig
-    from lingpack.train import loop as loop_lib
-    from lingpack.train import sharding as shard_lib
-    from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig
-    from lingpack.train.step import ModelDef, init_fn, make_train_step, state_shardings
+    from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
+    from lingpack.train.program import TrainProgram
 
     kernel = yaml.safe_load((ROOT / "conf/kernel/pallas_segment.yaml").read_text())
     # 5 layers: layer 0 unrolled, 1-4 in the layer scan (the kernels also lower inside its loop and cond)
     model = Ling3Config(vocab_size=258, emb_dim=32, num_layers=5, inhomogeneous_layer_cycle_interval=2, mlp_dim=64,
                         kda=KDAConfig(num_heads=2, head_dim=16), kda_chunk_size=16, kda_impl=kernel["name"],
-                        kda_interpret=False,
                         mla=MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                                       v_head_dim=16),
                         moe=MoEConfig(num_experts=4, top_k=2, expert_dim=16, bias_update_rate=1e-2))
     parallel = ParallelConfig(**yaml.safe_load((ROOT / "conf/parallel/fsdp_tensor.yaml").read_text()))
-    mesh = shard_lib.make_mesh(parallel)
-    build = lambda: loop_lib.make_model(model, 0)
-    model_def = ModelDef.from_constructor(build, model)
-    optim = OptimConfig(decay_steps=3)
-    abstract = jax.eval_shape(init_fn(build, optim, 0))
-    shardings = state_shardings(model_def, abstract, mesh, parallel.rules)
-    step = make_train_step(model_def, LossConfig(), optim, micro_batches=2, mesh=mesh, rules=parallel.rules,
-                           shardings=shardings)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    row = NamedSharding(mesh, shard_lib.batch_spec(mesh, parallel.rules))
-    batch = {key: jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=row) for key in
-             ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")}
-    module = jax.export.export(step, platforms=["tpu"])(state, batch).mlir_module()
+    program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=3), parallel, TrainConfig(micro_batches=2),
+                                 rows=16, seq_length=64)
+    module = program.export("tpu").mlir_module()
     assert model.scanned_layers() == range(1, 5) and "stablehlo.case" in module  # the layer scan's cond on the mixer
     assert set(re.findall(r"kda_segment_\w+", module)) == {"kda_segment_fwd", "kda_segment_states", "kda_segment_bwd"}
     assert set(re.findall(r"manual_axes=\{[^}]*\}", module)) == {

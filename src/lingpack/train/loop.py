@@ -42,7 +42,7 @@ from lingpack.train import sharding as shard_lib
 from lingpack.train.checkpoint import Checkpointer, PreemptionGuard
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.evaluate import make_evaluators, megatron_line
-from lingpack.train.step import ModelDef, init_fn, make_train_step, state_shardings
+from lingpack.train.program import TrainProgram, make_model  # noqa: F401  (make_model: re-exported)
 
 log = logging.getLogger("lingpack.train")
 
@@ -84,16 +84,6 @@ class TrainResult:
         """The trained model as an NNX module (parameters in their model dtypes)."""
         # Collective on multi-host runs: every process must call it.
         return self.model_def.merge(*distributed.fetch((self.state.params, self.state.rest)))
-
-
-def make_model(model_cfg, seed: int) -> nnx.Module:
-    rngs = nnx.Rngs(seed)
-    if hasattr(model_cfg, "make_model"):
-        return model_cfg.make_model(rngs)
-    from lingpack.models.ling3 import Ling3, Ling3Config
-    if not isinstance(model_cfg, Ling3Config):
-        raise TypeError(f"model_cfg must be a Ling3Config or have make_model(rngs); got {type(model_cfg).__name__}")
-    return Ling3(model_cfg, rngs=rngs)
 
 
 def _check_batch(data_cfg, train_cfg: TrainConfig, loss_cfg: LossConfig, mesh, rules) -> None:
@@ -150,20 +140,14 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     """`data_state_on_resume(step, data_state) -> data_state` may move the restored data position (the
     context schedule does at a stage change, where the data pipeline's sequence length changes)."""
     optim_cfg = optim_lib.resolve(optim_cfg, train_cfg.steps)
-    mesh = shard_lib.make_mesh(parallel_cfg)
-    rules = parallel_cfg.rules
+    program = TrainProgram.build(model_cfg, loss_cfg, optim_cfg, parallel_cfg, train_cfg,
+                                 trace_routing=routing_callback is not None)
+    mesh, rules, context, model_def = program.mesh, parallel_cfg.rules, program.context, program.model_def
     _check_batch(data_cfg, train_cfg, loss_cfg, mesh, rules)
-    context = ContextParallel.from_config(parallel_cfg, mesh)
     if context is not None:
         check_length(data_cfg.seq_length, context.size, context.load_balance)
-
-    build = lambda: make_model(model_cfg, train_cfg.seed)
-    model_def = ModelDef.from_constructor(build, model_cfg)
-    init = init_fn(build, optim_cfg, train_cfg.seed)
-    abstract = jax.eval_shape(init)
-    dropped = []
-    shardings = state_shardings(model_def, abstract, mesh, rules, dropped)
-    for line in shard_lib.sharding_report(dropped):
+    init, abstract, shardings, step_fn = program.init, program.abstract_state, program.shardings, program.step
+    for line in shard_lib.sharding_report(list(program.dropped)):
         log.info(line)
 
     batch_sharding, B = shard_lib.batch_sharding(mesh, rules), data_cfg.global_batch_size
@@ -181,10 +165,6 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     start = int(jax.device_get(state.step))
     if on_start is not None:
         on_start(start)
-    step_fn = make_train_step(model_def, loss_cfg, optim_cfg, micro_batches=train_cfg.micro_batches, mesh=mesh,
-                              rules=rules, shardings=shardings, context=context,
-                              halt_on_overflow=train_cfg.overflow_policy == "halt",
-                              trace_routing=routing_callback is not None)
     evaluators = make_evaluators(model_def, data_cfg, loss_cfg, train_cfg, mesh=mesh, rules=rules, context=context)
 
     peak = train_cfg.peak_flops_per_device or flops_lib.peak_flops_per_device()

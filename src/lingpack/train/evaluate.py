@@ -167,7 +167,14 @@ def make_evaluators(model_def, data_cfg: DataConfig, loss_cfg: LossConfig, train
     return evaluators
 
 
-def megatron_line(prefix: str, metrics: dict, key: str = "val") -> str:
-    """Megatron's console line, e.g. ` validation loss at iteration 20 | lm loss value: ... | lm loss PPL: ... |`."""
+def megatron_line(prefix: str, metrics: dict, key: str = "val", note: str = "") -> str:
+    """Megatron's console line, e.g. ` validation loss at iteration 20 | lm loss value: ... | lm loss PPL: ... |`,
+    then `note` (what was evaluated: a periodic and an end-of-run evaluation at one iteration read other batches)."""
     return (f" validation loss at {prefix} | lm loss value: {metrics[f'{key}_lm_loss']:.6E} | "
-            f"lm loss PPL: {metrics[f'{key}_ppl']:.6E} | ")
+            f"lm loss PPL: {metrics[f'{key}_ppl']:.6E} | {note}")
+
+
+def batches_note(when: str, split: str, index: int, eval_batches: int) -> str:
+    """`(periodic: valid batches 6-7)`: which batches of the split evaluation `index` read."""
+    first, last = index * eval_batches, (index + 1) * eval_batches - 1
+    return f"({when}: {split} batch{'es' if last > first else ''} {first}{f'-{last}' if last > first else ''})"

@@ -42,12 +42,12 @@ def launch_overrides(argv: list[str], environ) -> list[str]:
         if launcher not in choices:
             sys.exit(f"run.py: hydra/launcher={launcher}: no such launcher; choose one of {', '.join(choices)} "
                      "(lingpack's are in conf/hydra/launcher/)")
-        if launcher.startswith(("slurm", "submitit")) and "submitit_slurm" not in choices:
-            sys.exit(f"run.py: hydra/launcher={launcher} needs Hydra's submitit launcher: pip install -e '.[slurm]'")
     if launcher.startswith("slurm") and shutil.which("sbatch") is None:
         sys.exit(f"run.py: hydra/launcher={launcher} submits SLURM jobs, but sbatch/srun are not found on this "
                  "machine; run from a SLURM login node, or drop hydra/launcher=... to run here "
                  "(see slurm_or_tpu_launch/README.md)")
+    if launcher.startswith(("slurm", "submitit")) and "submitit_slurm" not in launcher_choices():
+        sys.exit(f"run.py: hydra/launcher={launcher} needs Hydra's submitit launcher: pip install -e '.[slurm]'")
     ranks = [environ.get(v, "") for v in RANK_VARIABLES]
     ranks += [a.split("=", 1)[1] for a in argv if a.startswith("distributed.process_id=")]
     if any(rank not in ("", "0", "null") for rank in ranks):

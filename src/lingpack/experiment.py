@@ -55,7 +55,7 @@ def overhead_key(rc: config_lib.RunConfig) -> str:
     return "t_new_over_t" if uses_max_segs(rc) else "native_t_over_t"
 
 
-def _announce(rc: config_lib.RunConfig, device_line: str | None) -> None:
+def _announce(rc: config_lib.RunConfig, device_line: str | None = None) -> None:
     """What runs, said once at start: the run directory, the model, the data and the kernel (and a max_segs it
     ignores), the fake CPU devices asked for, and what the config check found (e.g. no test split)."""
     log.info("run directory: %s", os.path.abspath(rc.run_dir))

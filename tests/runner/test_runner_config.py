@@ -111,7 +111,7 @@ def test_megatron_data_from_the_preprocess_cli_runs_as_in_the_readme(tmp_path):
     from lingpack.data import make_iterator
     from lingpack.data.preprocess import main as preprocess_main
     docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"doc {i} " * (1 + i % 4)}) + "\n" for i in range(40)))
+    docs.write_text("".join(json.dumps({"text": f"doc {i} " * (8 + i % 4)}) + "\n" for i in range(40)))
     for name in ("a", "b"):
         assert preprocess_main(["--input", str(docs), "--output-prefix", str(tmp_path / f"{name}_text_document"),
                                 "--append-eod"]) == 0

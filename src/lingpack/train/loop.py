@@ -174,7 +174,9 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     log.info("mesh %s over %d %s device(s)%s", dict(mesh.shape), jax.device_count(), jax.devices()[0].device_kind,
              "" if peak else "; peak FLOP/s unknown, no mfu (set train.peak_flops_per_device)")
     if peak and not train_cfg.peak_flops_per_device and jax.devices()[0].platform == "cpu":
-        log.info("mfu on CPU is against the measured matmul ceiling: %.1f GFLOP/s per device", peak / 1e9)
+        log.info("mfu on CPU is approximate: against a matmul ceiling measured at start, %.1f GFLOP/s per device (it "
+                 "varies up to ~2x between processes on a shared machine; set train.peak_flops_per_device to fix it)",
+                 peak / 1e9)
 
     history, saved, skipped, preempted, final_eval, warned_overflow = [], [], 0, False, {}, False
     bar = _progress(train_cfg, start)

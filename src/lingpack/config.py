@@ -216,7 +216,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int =
 def _train_samples(data: DataConfig, train: TrainConfig) -> DataConfig:
     """Megatron's training sample count, train iterations x global batch size, unless num_samples or
     num_epochs is set: a run longer than one epoch reads the next epochs, as Megatron's does."""
-    if data.source == "synthetic" or not data.paths or data.num_samples or data.num_epochs:
+    if (data.source != "synthetic" and not data.paths) or data.num_samples or data.num_epochs:
         return data
     return dataclasses.replace(data, num_samples=train.steps * data.global_batch_size)
 

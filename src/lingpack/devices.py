@@ -27,7 +27,8 @@ def flag_count(xla_flags: str) -> int | None:
     return int(found[-1]) if found else None  # XLA reads the last occurrence
 
 
-def _backends_started() -> bool:
+def backends_started() -> bool:
+    """Whether JAX has started its backends in this process (device counts are fixed from then on)."""
     import sys
     if "jax" not in sys.modules:
         return False
@@ -46,7 +47,7 @@ def request_cpu_devices(count: int | None, environ=None) -> str | None:
     environ = os.environ if environ is None else environ
     flags = environ.get("XLA_FLAGS", "")
     given = flag_count(flags)
-    if _backends_started():
+    if backends_started():
         import jax
         have = len(jax.local_devices(backend="cpu"))
         if have != count:

@@ -78,7 +78,7 @@ def check(cfg: DataConfig, *, train_samples: int, eval_samples: dict[str, int]) 
                 test = False
                 continue
             fix = ("lower data.seq_length or add documents" if split == "train" else
-                   f"give {split} a larger share of data.split (e.g. data.split=90,10,0), lower data.seq_length, "
+                   f"give {split} a larger share of data.split (e.g. 'data.split=\"90,10,0\"'), lower data.seq_length, "
                    "or set train.eval_every=0")
             raise ConfigError(f"{where}, less than {one_sample}; {fix}")
         _check_sample_count(cfg, split, by_split[split], weights,

@@ -11,6 +11,7 @@ Every key of the summary appears once: the groups below take theirs, the rest go
 from __future__ import annotations
 
 import shutil
+import textwrap
 from typing import Any, Mapping
 
 from lingpack.tracking.metrics import format_value
@@ -49,8 +50,10 @@ def _cell(key: str, label: str, value: Any, formats: Mapping[str, str]) -> str:
 
 
 def _wrap(label: str, cells: list[str], width: int, indent: int) -> list[str]:
+    room = max(20, width - indent)
+    pieces = [piece for cell in cells for piece in (textwrap.wrap(cell, room) if len(cell) > room else [cell])]
     lines, current = [], ""
-    for cell in cells:
+    for cell in pieces:
         joined = f"{current} | {cell}" if current else cell
         if current and indent + len(joined) > width:
             lines.append(current)

@@ -64,6 +64,15 @@ def request_cpu_devices(count: int | None, environ=None) -> str | None:
     return f"parallel.cpu_devices={count}: {count} fake CPU devices on this host (XLA_FLAGS {FLAG}={count})"
 
 
+def settled(line: str | None, count: int | None) -> str | None:
+    """The request's line once JAX runs: on accelerators the CPU device count goes unused, and it says so."""
+    if count is None:
+        return line
+    import jax
+    platform = jax.devices()[0].platform
+    return line if platform == "cpu" else f"parallel.cpu_devices={count} unused: this run's devices are {platform}"
+
+
 def needed_devices(sizes: dict[str, int]) -> tuple[int, bool]:
     """(devices the fixed axes multiply to, whether an axis is -1 and takes any multiple of them)."""
     fixed = math.prod(v for v in sizes.values() if v != -1)

@@ -120,6 +120,7 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
     rc = config_lib.build(plain, run_dir)
     device_line = devices.request_cpu_devices(rc.parallel.cpu_devices)  # before anything starts JAX's backends
     distributed.initialize(rc.distributed)
+    device_line = devices.settled(device_line, rc.parallel.cpu_devices)
     devices.check_mesh(rc.parallel)
     distributed.check_same_everywhere("run directory", os.path.abspath(run_dir))
     writer = distributed.is_writer()  # the one place that decides who writes run records

@@ -23,6 +23,7 @@ returns a `Ling3Output` (tests use a small stand-in that way).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -136,6 +137,14 @@ def _progress(train_cfg: TrainConfig, start: int):
     return tqdm(total=train_cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
+def _log_above(bar):
+    """While the bar shows, console log lines print above it (tqdm.write) instead of into its line."""
+    if bar is None:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+    return logging_redirect_tqdm()
+
+
 def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
           ckpt_cfg: CheckpointConfig, train_cfg: TrainConfig, *, metrics_callback=None, on_start=None,
           routing_callback=None, data_state_on_resume=None) -> TrainResult:
@@ -198,7 +207,7 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                         f"{fix}", history, step if ckpt else None)
 
     try:
-        with PreemptionGuard(train_cfg.handle_signals) as guard:
+        with PreemptionGuard(train_cfg.handle_signals) as guard, _log_above(bar):
             for step in range(start, train_cfg.steps):
                 data_state = iterator.get_state()
                 try:
@@ -234,10 +243,10 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 history.append(metrics)
                 if metrics_callback is not None:
                     metrics_callback(step + 1, {**{k: metrics[k] for k in METRIC_NAMES if k in metrics}, **evaluated})
-                if bar is not None:
-                    bar.update(1)
+                if bar is not None:  # the postfix first: update(1) draws the bar with this step's figures
                     bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                                     tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
+                    bar.update(1)
                 if (step + 1) % train_cfg.log_every == 0:
                     log.info(_log_line(metrics))
 

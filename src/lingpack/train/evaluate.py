@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lingpack import distributed
 from lingpack.data.config import DataConfig
+from lingpack.errors import ConfigError
 from lingpack.parallel.context import context_parallel
 from lingpack.parallel.reorder import reorder_batch
 from lingpack.train import loss as loss_lib
@@ -117,8 +118,8 @@ class Evaluator:
     def evaluate(self, state, index: int) -> dict:
         first = index * self.eval_batches
         if (index + 1) * self.eval_batches > len(self.dataset):
-            raise RuntimeError(f"evaluation {index} needs {self.split} batches up to {(index + 1) * self.eval_batches}"
-                               f" but the split has {len(self.dataset)}; raise data.eval_num_samples")
+            raise ConfigError(f"evaluation {index} needs {self.split} batches up to {(index + 1) * self.eval_batches}"
+                              f" but the split has {len(self.dataset)}; raise data.eval_num_samples")
         total = None
         for b in range(first, first + self.eval_batches):
             batch = self.dataset[b]
@@ -139,9 +140,9 @@ def eval_dataset(data_cfg: DataConfig, train_cfg: TrainConfig, split: str, rows:
     try:
         return make_dataset(cfg, split=split, rows=rows)
     except ValueError as error:
-        raise ValueError(f"evaluation (train.eval_every={train_cfg.eval_every}) cannot read the {split} split of "
-                         f"data.split={data_cfg.split!r}: {error}. Give the {split} split a non-zero weight in "
-                         "data.split, or set train.eval_every=0") from error
+        raise ConfigError(f"evaluation (train.eval_every={train_cfg.eval_every}) cannot read the {split} split of "
+                          f"data.split={data_cfg.split!r}: {error}. Give the {split} split a non-zero weight in "
+                          "data.split, or set train.eval_every=0") from error
 
 
 def make_evaluators(model_def, data_cfg: DataConfig, loss_cfg: LossConfig, train_cfg: TrainConfig, *,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 import zlib
 
@@ -139,7 +140,9 @@ def _progress(train_cfg: TrainConfig, start: int):
 
 def _log_above(bar):
     """While the bar shows, console log lines print above it (tqdm.write) instead of into its line."""
-    if bar is None:
+    console = [h for h in logging.root.handlers if isinstance(h, logging.StreamHandler)
+               and getattr(h, "stream", None) in (sys.stdout, sys.stderr)]
+    if bar is None or not console:  # nobody prints log lines to the terminal (a library caller, tests)
         return contextlib.nullcontext()
     from tqdm.contrib.logging import logging_redirect_tqdm
     return logging_redirect_tqdm()
@@ -184,7 +187,7 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
              "" if peak else "; peak FLOP/s unknown, no mfu (set train.peak_flops_per_device)")
     if peak and not train_cfg.peak_flops_per_device and jax.devices()[0].platform == "cpu":
         log.info("mfu on CPU is approximate: against a matmul ceiling measured at start, %.1f GFLOP/s per device (it "
-                 "varies up to ~2x between processes on a shared machine; set train.peak_flops_per_device to fix it)",
+                 "varies up to ~2x between processes on a shared machine; train.peak_flops_per_device sets a fixed one)",
                  peak / 1e9)
 
     history, saved, skipped, preempted, final_eval, warned_overflow = [], [], 0, False, {}, False

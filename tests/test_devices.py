@@ -1,8 +1,4 @@
 """Fake CPU devices from the config (`parallel.cpu_devices`) and the mesh checked against the device count."""
-import os
-import subprocess
-import sys
-
 import pytest
 
 from lingpack import devices
@@ -34,7 +30,8 @@ def test_request_reads_and_writes_xla_flags(monkeypatch):
     assert line == "parallel.cpu_devices=4: 4 fake CPU devices on this host (XLA_FLAGS " \
                    "--xla_force_host_platform_device_count=4)"
     environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}   # a launcher's choice for this process
-    assert "not applied: XLA_FLAGS sets --xla_force_host_platform_device_count=2" in devices.request_cpu_devices(4, environ)
+    line = devices.request_cpu_devices(4, environ)
+    assert "not applied: XLA_FLAGS sets --xla_force_host_platform_device_count=2" in line
     assert environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     assert devices.request_cpu_devices(None, environ) is None
 
@@ -43,14 +40,3 @@ def test_request_after_jax_started():
     assert devices.request_cpu_devices(8) is None   # already what this process has
     with pytest.raises(ConfigError, match="parallel.cpu_devices=4, but JAX already runs in this process with 8 CPU"):
         devices.request_cpu_devices(4)
-
-
-def test_request_before_jax_starts_gives_the_devices():
-    """In a fresh process (no device count in XLA_FLAGS), the request is what JAX then has."""
-    code = ("from lingpack.devices import request_cpu_devices; line = request_cpu_devices(3); import jax; "
-            "print(jax.device_count(), jax.devices()[0].platform)")
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"))
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["3", "cpu"]

@@ -316,7 +316,8 @@ def build(cfg: dict, run_dir: str) -> RunConfig:
 def find_config_dir(config_dir: str | None = None) -> str:
     """conf/ of the run: `config_dir`, else ./conf (where run.py is started), else the checkout's conf/."""
     from pathlib import Path
-    candidates = [Path(config_dir)] if config_dir else [Path.cwd() / "conf", Path(__file__).resolve().parents[2] / "conf"]
+    checkout = Path(__file__).resolve().parents[2] / "conf"   # src/lingpack/config.py -> <checkout>/conf
+    candidates = [Path(config_dir)] if config_dir else [Path.cwd() / "conf", checkout]
     for candidate in candidates:
         if (candidate / "config.yaml").is_file():
             return str(candidate.resolve())

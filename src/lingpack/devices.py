@@ -99,7 +99,7 @@ def check_mesh(parallel_cfg) -> None:
     if platform == "cpu":
         per_process = max(1, math.ceil(fixed / processes))
         given = flag_count(os.environ.get("XLA_FLAGS", ""))
-        if given is not None:
+        if given is not None and given != parallel_cfg.cpu_devices:  # XLA_FLAGS' own count, not the config's
             fix = (f"XLA_FLAGS sets {FLAG}={given}: raise it to {per_process} (or drop it and set "
                    f"parallel.cpu_devices={per_process}), or {fix}")
         else:

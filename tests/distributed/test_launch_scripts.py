@@ -133,8 +133,9 @@ def tpu_pod_dry_run(*args: str) -> subprocess.CompletedProcess:
               env={"PATH": "/usr/bin:/bin"})
 
 
-@pytest.mark.parametrize("accelerator,runtime", [("v5p-16", "v2-alpha-tpuv5"), ("v6e-8", "v2-alpha-tpuv6e"),
-                                                 ("v5litepod-4", "v2-alpha-tpuv5-lite"), ("v4-8", "tpu-ubuntu2204-base")])
+@pytest.mark.parametrize("accelerator,runtime", [
+    ("v5p-16", "v2-alpha-tpuv5"), ("v6e-8", "v2-alpha-tpuv6e"), ("v5litepod-4", "v2-alpha-tpuv5-lite"),
+    ("v4-8", "tpu-ubuntu2204-base")])
 def test_tpu_pod_runtime_follows_the_accelerator(accelerator, runtime):
     proc = tpu_pod_dry_run("--accelerator-type", accelerator, "--ckpt-dir", "gs://b/r")
     assert proc.returncode == 0, proc.stderr

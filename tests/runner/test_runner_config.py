@@ -135,6 +135,7 @@ def test_phantom_sweep_has_the_segment_native_baseline(tmp_path):
     swept = str(cfg.hydra.sweeper.params["kernel.max_segs"]).split(",")
     assert swept[0] == "null" and [int(v) for v in swept[1:]] == [8, 16, 32, 64, 128]
     for value, kernel in [("null", "chunked"), ("16", "chunked_aligned")]:
-        plain = resolved(["experiment=phantom_sweep", f"kernel.max_segs={value}", f"data.cache_dir={tmp_path}"], tmp_path)
+        plain = resolved(["experiment=phantom_sweep", f"kernel.max_segs={value}", f"data.cache_dir={tmp_path}"],
+                         tmp_path)
         rc = config_lib.build(plain, str(tmp_path))
         assert (rc.kernel.name, rc.kernel.max_segs) == (kernel, None if value == "null" else 16)

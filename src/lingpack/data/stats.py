@@ -54,7 +54,8 @@ def run_overrides(args) -> list[str]:
     prefixes = [w[:-4] if w.endswith((".bin", ".idx")) else w for w in args.words if "=" not in w]
     if prefixes:
         overrides = ["data=megatron", f"data.paths=[{','.join(prefixes)}]", *overrides]
-    overrides += [f"{key}={getattr(args, name)}" for name, key in OPTION_KEYS.items() if getattr(args, name) is not None]
+    overrides += [f"{key}={getattr(args, name)}" for name, key in OPTION_KEYS.items()
+                  if getattr(args, name) is not None]
     if args.no_reset_attention_mask:
         overrides.append("data.reset_attention_mask=false")
     return overrides

@@ -187,8 +187,8 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
              "" if peak else "; peak FLOP/s unknown, no mfu (set train.peak_flops_per_device)")
     if peak and not train_cfg.peak_flops_per_device and jax.devices()[0].platform == "cpu":
         log.info("mfu on CPU is approximate: against a matmul ceiling measured at start, %.1f GFLOP/s per device (it "
-                 "varies up to ~2x between processes on a shared machine; train.peak_flops_per_device sets a fixed one)",
-                 peak / 1e9)
+                 "varies up to ~2x between processes on a shared machine; train.peak_flops_per_device sets a fixed "
+                 "one)", peak / 1e9)
 
     history, saved, skipped, preempted, final_eval, warned_overflow = [], [], 0, False, {}, False
     bar = _progress(train_cfg, start)

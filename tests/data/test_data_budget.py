@@ -35,6 +35,17 @@ def test_missing_prefix_is_named_before_the_tokenizer_record(tmp_path):
         build(tmp_path, *megatron("/nothing/here"))   # no record either: the file comes first
 
 
+def test_truncated_data_file_is_named_at_config_time(tmp_path, corpus):
+    cut = tmp_path / "cut"
+    for suffix in (".idx", ".tokenizer-record.json"):
+        (tmp_path / f"cut{suffix}").write_bytes(open(corpus + suffix, "rb").read())
+    data = open(corpus + ".bin", "rb").read()
+    (tmp_path / "cut.bin").write_bytes(data[:1000])
+    with pytest.raises(ConfigError, match=rf"{cut}\.bin: truncated data file: 1000 bytes, but sequence \d+ needs "
+                                          rf"bytes .* {len(data)} bytes\); re-copy or re-run the preprocessor"):
+        build(tmp_path, *megatron(str(cut)))
+
+
 def test_split_too_short_for_one_sample(tmp_path, corpus):
     with pytest.raises(ConfigError, match=r"the valid split of .*docs \(data.split='969,30,1' gives it 1 of 40 "
                                           r"documents, \d+ tokens\), less than one sample of data.seq_length \+ 1 = "

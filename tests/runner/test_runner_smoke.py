@@ -134,8 +134,11 @@ def one_line_error(args, cwd, env=ENV) -> str:
     return lines[0]
 
 
+# The default suite's one-line case is test_too_few_devices_is_one_line_naming_the_key (a ConfigError raised once
+# JAX is up); these raise earlier, from the config build, which tests/runner/test_runner_config.py and
+# tests/data/test_data_budget.py check in-process.
 @pytest.mark.parametrize("override,message", [
-    ("train.steps=-1", "TrainConfig.steps=-1 must be >= 1"),
+    pytest.param("train.steps=-1", "TrainConfig.steps=-1 must be >= 1", marks=pytest.mark.slow),
     pytest.param("kernel.name=fastest", "kernel.name='fastest' is not one of", marks=pytest.mark.slow),
     pytest.param("model.num_layers=0", "num_layers must be >= 1", marks=pytest.mark.slow),
     pytest.param("kernel.max_segs=0", "kernel.max_segs=0 must be >= 1", marks=pytest.mark.slow),
@@ -156,6 +159,7 @@ def test_too_few_devices_is_one_line_naming_the_key(tmp_path):
                     "('the rest') or make the axes multiply to 2")
 
 
+@pytest.mark.slow
 def test_truncated_data_file_is_one_line(tmp_path):
     """A data file cut short (a failed copy): named with the fix in one line, before any training starts."""
     from lingpack.data.corpus import bundled_corpus_prefix

@@ -249,9 +249,10 @@ def _check_batch_shape(data: DataConfig, train: TrainConfig, loss, parallel: Par
 def _check_data_budget(data: DataConfig, train: TrainConfig, schedule: ContextSchedule) -> tuple[TrainConfig, tuple]:
     """The data against what the run reads (data/budget.py); a test split too small skips the test evaluation."""
     from lingpack.data import budget
-    from lingpack.train.evaluate import eval_num_samples
+    from lingpack.train.evaluate import split_sample_counts
     splits = ("valid", "test") if train.eval_test else ("valid",)
-    evaluated = {split: eval_num_samples(data, train, split) for split in splits} if train.eval_every else {}
+    counts = split_sample_counts(train, data.global_batch_size) if train.eval_every else {}
+    evaluated = {split: counts[split] for split in splits} if train.eval_every else {}
     lengths = [stage.seq_length for stage in schedule.stages] if schedule.enabled else [data.seq_length]
     notes, test = [], True
     for length in dict.fromkeys(lengths):

@@ -2,6 +2,7 @@
 missing files named first, splits too short for one sample, explicit sample counts below the run's, the
 empty test split said once, and Megatron's default sample count (a run reads as many epochs as it needs)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -38,8 +39,8 @@ def test_missing_prefix_is_named_before_the_tokenizer_record(tmp_path):
 def test_truncated_data_file_is_named_at_config_time(tmp_path, corpus):
     cut = tmp_path / "cut"
     for suffix in (".idx", ".tokenizer-record.json"):
-        (tmp_path / f"cut{suffix}").write_bytes(open(corpus + suffix, "rb").read())
-    data = open(corpus + ".bin", "rb").read()
+        (tmp_path / f"cut{suffix}").write_bytes(Path(corpus + suffix).read_bytes())
+    data = Path(corpus + ".bin").read_bytes()
     (tmp_path / "cut.bin").write_bytes(data[:1000])
     with pytest.raises(ConfigError, match=rf"{cut}\.bin: truncated data file: 1000 bytes, but sequence \d+ needs "
                                           rf"bytes .* {len(data)} bytes\); re-copy or re-run the preprocessor"):

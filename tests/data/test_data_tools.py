@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,11 +155,11 @@ def test_stats_cli_reads_the_default_run_data(tmp_path, capsys):
 
 def test_stats_cli_truncated_file_is_one_line(tmp_path, capsys):
     prefix = bundled_corpus_prefix(str(tmp_path))
-    data = open(prefix + ".bin", "rb").read()
+    data = Path(prefix + ".bin").read_bytes()
     cut = str(tmp_path / "cut")
     for suffix in (".idx", ".tokenizer-record.json"):
-        open(cut + suffix, "wb").write(open(prefix + suffix, "rb").read())
-    open(cut + ".bin", "wb").write(data[: len(data) // 2])
+        Path(cut + suffix).write_bytes(Path(prefix + suffix).read_bytes())
+    Path(cut + ".bin").write_bytes(data[: len(data) // 2])
     assert stats_main([cut]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"Error: {cut}.bin: truncated data file"), err

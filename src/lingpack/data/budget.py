@@ -31,19 +31,20 @@ class SplitShare:
     samples_per_epoch: int
 
 
-def shares(cfg: DataConfig, split: str) -> list[SplitShare]:
-    """Every dataset's share of `split` (documents 0 when data.split gives that split nothing)."""
+def shares(cfg: DataConfig) -> dict[str, list[SplitShare]]:
+    """Per split, every dataset's share of it (documents 0 when data.split gives that split nothing)."""
     from lingpack.data.sampling import open_documents
     documents, names, _ = open_documents(cfg)
-    out = []
+    out = {split: [] for split in ix.SPLIT_NAMES}
     for docs, name in zip(documents, names):
         lengths = np.asarray(docs.sequence_lengths, dtype=np.int64)
-        if ix.split_bookends(cfg.split)[ix.split_index(split)] is None:
-            ids = np.zeros(0, dtype=np.int64)
-        else:
-            ids = ix.split_sequence_range(len(lengths), cfg.split, split)
-        tokens = int(lengths[ids].sum())
-        out.append(SplitShare(name, split, int(ids.size), tokens, max(0, (tokens - 1) // cfg.seq_length)))
+        for split in ix.SPLIT_NAMES:
+            if ix.split_bookends(cfg.split)[ix.split_index(split)] is None:
+                ids = np.zeros(0, dtype=np.int64)
+            else:
+                ids = ix.split_sequence_range(len(lengths), cfg.split, split)
+            tokens = int(lengths[ids].sum())
+            out[split].append(SplitShare(name, split, int(ids.size), tokens, max(0, (tokens - 1) // cfg.seq_length)))
     return out
 
 
@@ -63,7 +64,7 @@ def check(cfg: DataConfig, *, train_samples: int, eval_samples: dict[str, int]) 
     if cfg.source == "synthetic":
         return [], True
     _, weights = ix.parse_blend(cfg.paths)
-    by_split = {split: shares(cfg, split) for split in ix.SPLIT_NAMES}
+    by_split = shares(cfg)
     totals = [sum(column) for column in zip(*([s.documents for s in by_split[k]] for k in ix.SPLIT_NAMES))]
     notes, test = [], True
     for split in ("train", *eval_samples):
@@ -78,8 +79,8 @@ def check(cfg: DataConfig, *, train_samples: int, eval_samples: dict[str, int]) 
                 test = False
                 continue
             fix = ("lower data.seq_length or add documents" if split == "train" else
-                   f"give {split} a larger share of data.split (e.g. 'data.split=\"90,10,0\"'), lower data.seq_length, "
-                   "or set train.eval_every=0")
+                   f"give {split} a larger share of data.split (e.g. 'data.split=\"90,10,0\"'), lower "
+                   "data.seq_length, or set train.eval_every=0")
             raise ConfigError(f"{where}, less than {one_sample}; {fix}")
         _check_sample_count(cfg, split, by_split[split], weights,
                             train_samples if split == "train" else eval_samples[split])

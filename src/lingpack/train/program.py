@@ -24,6 +24,7 @@ from lingpack.train import sharding as shard_lib
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.step import ModelDef, TrainState, init_fn, make_train_step, state_shardings
 
+TRITON_CALL = "__gpu$xla.gpu.triton"   # the custom-call target of a Pallas kernel lowered through Triton
 BATCH_KEYS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")
 
 
@@ -88,7 +89,13 @@ class TrainProgram:
         return self.step.lower(self.state_specs(), self.batch_specs())
 
     def export(self, platform: str):
-        """`jax.export` of the step traced as `platform` runs it ("tpu", "gpu"/"cuda", "cpu")."""
+        """`jax.export` of the step traced as `platform` runs it ("tpu", "gpu"/"cuda", "cpu").
+
+        Triton custom calls (the GPU attention kernel) carry Triton IR that jax.export does not promise to
+        load into another jaxlib, so that check is waived: the export proves lowering, and it runs under the
+        jaxlib that made it."""
         platforms = {"gpu": "cuda"}.get(platform, platform)
+        waived = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)] if platforms in ("cuda", "rocm") else []
         with backend.target(platform):
-            return jax.export.export(self.step, platforms=[platforms])(self.state_specs(), self.batch_specs())
+            return jax.export.export(self.step, platforms=[platforms], disabled_checks=waived)(
+                self.state_specs(), self.batch_specs())

@@ -32,8 +32,9 @@ def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: b
 
 def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,
                      block: int = 128, interpret: bool | None = None):
-    interpret = backend.pallas_interpret(interpret, kernel="splash attention",
-                                         alternative="model.attention_impl=flash")
+    interpret = backend.pallas_interpret(
+        interpret, kernel="splash attention", alternative="model.attention_impl=auto (pallas_triton on GPU)",
+        emulate="pass interpret=True to lingpack.kernels.attention.api.attention to emulate it")
     B, T, H, K = q_BTHK.shape
     t_pad = -(-T // block) * block
     pad = t_pad - T

@@ -106,3 +106,16 @@ def collectives(hlo: str) -> dict:
         totals[op.kind]["bytes"] += op.times * op.bytes
     return {"by_kind": {k: dict(totals[k]) for k in KINDS if k in totals}, "unknown_trip_counts": unknown,
             "trivial": trivial}
+
+
+def pallas_calls(module: str) -> dict:
+    """Pallas kernels in an exported StableHLO module (`jax.export(...).mlir_module()`), by kernel name.
+
+    {"mosaic": {name: calls}, "interpret": {name: ops}}. A Mosaic call is a `tpu_custom_call` whose
+    `kernel_name` is the pallas_call's name. An interpret-mode call leaves no custom call, only the
+    kernel's ops inlined in a loop under the name scope `<name>/<name>/while` (the pallas_call's scope
+    and its body's); those are counted per op location, so any count > 0 means some kernel was emulated.
+    """
+    mosaic = collections.Counter(re.findall(r'tpu_custom_call\(.*?kernel_name = "([^"]+)"', module))
+    interpret = collections.Counter(re.findall(r'loc\("(?:[^"]*/)?([A-Za-z_][\w.\-]*)/\1/while[/"]', module))
+    return {"mosaic": dict(mosaic), "interpret": dict(interpret)}

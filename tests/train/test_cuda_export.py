@@ -1,0 +1,91 @@
+"""The train step traced as a GPU run traces it (`lingpack.backend.target("gpu")`) lowers for CUDA.
+
+Each test builds the run's real step (`TrainProgram`: forward, backward, AdamW, the expert-bias update,
+micro-batches) from the config files run.py composes (`kernel=chunked`, the model's `attention_impl:
+auto`) on an 8-device `fsdp=2 x tensor=2 x expert=2` mesh. Every Pallas kernel of the step must be the
+Triton attention kernel (pallas_triton) inside its shard_map: no TPU custom call, and no pallas_call in
+interpret mode anywhere in the traced jaxpr (`tests/kernels/pallas_calls.py`). With the flagship's old
+`attention_impl: splash`, the same trace ran 8 splash calls in interpret mode; it is now a ConfigError
+(tests/test_backend.py), and tests/kernels/test_attention_triton.py shows that both checks can fail.
+
+The default suite traces the flagship's real widths at 4 of its 24 layers (3 KDA, 1 MLA, the MTP layer;
+tracing is the cost, nothing compiles) and lowers it for CUDA; the whole flagship and ling3_small go
+through `jax.export` in the `slow` cases (run them under `flock /tmp/lingpack-bigmem.lock`).
+"""
+from pathlib import Path
+
+import jax
+import pytest
+import yaml
+
+from lingpack import backend
+from lingpack import config as config_lib
+from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
+from lingpack.train.program import TrainProgram
+from tests.kernels.pallas_calls import TRITON_GRAD, jaxpr_pallas_calls, triton_calls, triton_operand_types
+
+ROOT = Path(__file__).resolve().parents[2]
+MESH = dict(data=1, fsdp=2, tensor=2, expert=2, context=1)
+ALL_AXES = 'manual_axes={"data", "fsdp", "tensor", "expert", "context"}'
+
+
+def program(model_name: str, num_layers: int | None = None, *, rows: int = 8, seq_length: int, micro_batches: int = 2):
+    """The step of `model=<model_name> kernel=chunked [model.num_layers=N]` on the mesh above."""
+    kernel = config_lib.make(config_lib.KernelConfig, yaml.safe_load((ROOT / "conf/kernel/chunked.yaml").read_text()),
+                             "kernel")
+    values = yaml.safe_load((ROOT / f"conf/model/{model_name}.yaml").read_text())
+    values["num_layers"] = num_layers or values["num_layers"]
+    model = config_lib.model_config(values, kernel, values["vocab_size"])
+    return model, TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=1000), ParallelConfig(**MESH),
+                                     TrainConfig(micro_batches=micro_batches), rows=rows, seq_length=seq_length)
+
+
+def check_kernels(calls, module: str) -> None:
+    assert "tpu_custom_call" not in module
+    assert not [name for name, interpret in calls if interpret], f"interpret-mode Pallas calls: {calls}"
+    assert {name for name, _ in calls} == set(triton_calls(module)) == TRITON_GRAD
+    assert ALL_AXES in module
+
+
+def local_q(model, rows: int, seq_length: int, micro_batches: int = 2) -> str:
+    """The attention q one shard sees: the micro-batch's rows over fsdp x expert, MLA heads over tensor."""
+    B = rows // micro_batches // (MESH["fsdp"] * MESH["expert"])
+    H = model.mla.num_heads // MESH["tensor"]
+    return f"tensor<{B}x{seq_length}x{H}x{model.mla.qk_head_dim}xbf16>"
+
+
+def test_flagship_widths_lower_for_cuda_with_triton_attention_only():
+    """Flagship widths at 4 layers, T=8192, 2 micro-batches of 4 rows: every attention kernel sees 1 row and
+    8 of the 16 heads."""
+    T = 8192
+    model, step = program("ling3_flagship", 4, seq_length=T)
+    assert (model.attention_impl, model.kda_impl) == ("auto", "chunked")
+    with backend.target("gpu"):
+        traced = step.step.trace(step.state_specs(), step.batch_specs())
+        module = traced.lower(lowering_platforms=("cuda",)).as_text()   # what jax.export lowers
+    check_kernels(jaxpr_pallas_calls(traced.jaxpr), module)
+    assert local_q(model, 8, T) == "tensor<1x8192x8x192xbf16>" and local_q(model, 8, T) in triton_operand_types(module)
+
+
+def export_checked(model_name: str, seq_length: int):
+    model, step = program(model_name, seq_length=seq_length)
+    exported = step.export("gpu")
+    assert exported.platforms == ("cuda",)
+    with backend.target("gpu"):
+        calls = jaxpr_pallas_calls(jax.make_jaxpr(step.step)(step.state_specs(), step.batch_specs()))
+    module = exported.mlir_module()
+    check_kernels(calls, module)
+    assert local_q(model, 8, seq_length) in triton_operand_types(module)
+    return model, module
+
+
+@pytest.mark.slow
+def test_flagship_step_exports_for_cuda_on_fsdp_tensor_expert():
+    """The whole flagship (24 layers, the layer scan), T=8192: the issue's bar of 0 TPU and 0 interpret calls."""
+    model, module = export_checked("ling3_flagship", 8192)
+    assert model.scanned_layers() == range(1, 24) and "stablehlo.case" in module   # MLA under the scan's cond
+
+
+@pytest.mark.slow
+def test_ling3_small_step_exports_for_cuda_on_fsdp_tensor_expert():
+    export_checked("ling3_small", 4096)

@@ -4,9 +4,9 @@ Each test builds the run's real step (`TrainProgram`: forward, backward, AdamW, 
 micro-batches) from the config files run.py composes (`kernel=chunked`, the model's `attention_impl:
 auto`) on an 8-device `fsdp=2 x tensor=2 x expert=2` mesh. Every Pallas kernel of the step must be the
 Triton attention kernel (pallas_triton) inside its shard_map: no TPU custom call, and no pallas_call in
-interpret mode anywhere in the traced jaxpr (`tests/kernels/pallas_calls.py`). With the flagship's old
-`attention_impl: splash`, the same trace ran 8 splash calls in interpret mode; it is now a ConfigError
-(tests/test_backend.py), and tests/kernels/test_attention_triton.py shows that both checks can fail.
+interpret mode anywhere in the traced jaxpr (`tests/kernels/pallas_calls.py`). With `attention_impl:
+splash` the same trace is a ConfigError (tests/test_backend.py); tests/kernels/test_attention_triton.py
+shows that both checks can fail.
 
 The default suite traces the flagship's real widths at 4 of its 24 layers (3 KDA, 1 MLA, the MTP layer;
 tracing is the cost, nothing compiles) and lowers it for CUDA; the whole flagship and ling3_small go

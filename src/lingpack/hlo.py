@@ -1,4 +1,5 @@
-"""Reading a compiled program's HLO text: every collective as it executes, loop trip counts included.
+"""Reading a program: every collective of its compiled HLO as it executes (loop trip counts included), and
+its Pallas kernels (Mosaic and Triton calls of an exported module, interpret-mode ones of its jaxpr).
 
 `jax.jit(f).lower(...).compile().as_text()` is the per-device program after SPMD partitioning. A
 computation's ops run once per call; a `while` body runs its known trip count times (unknown: once, and
@@ -108,14 +109,52 @@ def collectives(hlo: str) -> dict:
             "trivial": trivial}
 
 
-def pallas_calls(module: str) -> dict:
-    """Pallas kernels in an exported StableHLO module (`jax.export(...).mlir_module()`), by kernel name.
 
-    {"mosaic": {name: calls}, "interpret": {name: ops}}. A Mosaic call is a `tpu_custom_call` whose
-    `kernel_name` is the pallas_call's name. An interpret-mode call leaves no custom call, only the
-    kernel's ops inlined in a loop under the name scope `<name>/<name>/while` (the pallas_call's scope
-    and its body's); those are counted per op location, so any count > 0 means some kernel was emulated.
+def mosaic_calls(module: str) -> dict:
+    """Mosaic (Pallas TPU) kernels of a StableHLO module (`jax.export(...).mlir_module()`): {kernel name: calls}.
+
+    A Mosaic kernel lowers to one `tpu_custom_call` whose `kernel_name` is the pallas_call's `name`; a
+    kernel called twice from one deduplicated function counts once (counts are of the text, not of runs).
     """
-    mosaic = collections.Counter(re.findall(r'tpu_custom_call\(.*?kernel_name = "([^"]+)"', module))
-    interpret = collections.Counter(re.findall(r'loc\("(?:[^"]*/)?([A-Za-z_][\w.\-]*)/\1/while[/"]', module))
-    return {"mosaic": dict(mosaic), "interpret": dict(interpret)}
+    return dict(collections.Counter(re.findall(r'tpu_custom_call\(.*?kernel_name = "([^"]+)"', module)))
+
+
+def triton_calls(module: str) -> dict:
+    """Triton (Pallas GPU) kernels of a StableHLO module exported for CUDA: {kernel name: calls}, counted like
+    `mosaic_calls`. A Triton kernel lowers to one `__gpu$xla.gpu.triton` custom call whose backend config
+    `name` is the pallas_call's `name`."""
+    return dict(collections.Counter(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "([^"]+)"', module)))
+
+
+def pallas_call_eqns(jaxpr) -> list:
+    """Every `pallas_call` equation of a (closed) jaxpr, nested jaxprs included (shard_map, scan, cond, remat,
+    custom_vjp), in program order."""
+    from jax.extend import core as jex_core
+    found = []
+
+    def visit(j) -> None:
+        for eqn in j.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(eqn)
+                continue   # a kernel body holds no pallas_call
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(getattr(jaxpr, "jaxpr", jaxpr))
+    return found
+
+
+def pallas_kernels(jaxpr) -> dict:
+    """Every `pallas_call` of a traced program (`jax.jit(f).trace(...).jaxpr`), by how it will run.
+
+    {"mosaic": {name: calls}, "triton": {name: calls}, "interpret": {name: calls}}: an interpret-mode kernel
+    leaves no custom call in the lowered module (its body is inlined as XLA ops), so it is found here, in
+    the jaxpr, by its `interpret` parameter; the others lower through Triton when their compiler params are
+    Pallas GPU's (`jax.experimental.pallas.triton`), else through Mosaic.
+    """
+    found = {"mosaic": collections.Counter(), "triton": collections.Counter(), "interpret": collections.Counter()}
+    for eqn in pallas_call_eqns(jaxpr):
+        triton = "pallas.triton" in type(eqn.params.get("compiler_params")).__module__
+        mode = "interpret" if eqn.params.get("interpret") else "triton" if triton else "mosaic"
+        found[mode][eqn.params.get("name") or "?"] += 1
+    return {k: dict(v) for k, v in found.items()}

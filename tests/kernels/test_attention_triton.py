@@ -3,7 +3,8 @@
 Its numerics against torch's per-document SDPA (interpret mode) are in test_attention.py. Here: traced as a
 GPU run traces it (the backend target), forward and backward lower to Triton custom calls inside
 `kernels/shard.py`'s shard_map, on each shard's rows and heads, none in interpret mode; the kernel without
-the mapping exports on global shapes (the check can fail), and interpret mode is seen by the jaxpr count.
+the mapping exports on global shapes (the check can fail), and interpret mode is seen in the traced jaxpr
+(`lingpack.hlo.pallas_kernels`).
 """
 import jax
 import jax.numpy as jnp
@@ -11,12 +12,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from lingpack import backend
+from lingpack import backend, hlo
 from lingpack.kernels.attention import pallas_triton
 from lingpack.kernels.attention.api import attention
 from lingpack.train.program import TRITON_CALL
 from tests.kernels.kda_cases import segments_from_lengths
-from tests.kernels.pallas_calls import TRITON_FWD, TRITON_GRAD, jaxpr_pallas_calls, triton_calls, triton_operand_types
+from tests.kernels.triton_cases import TRITON_FWD, TRITON_GRAD_NAMES, triton_operand_types
 
 WAIVED = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
 
@@ -25,11 +26,12 @@ def data_tensor_mesh(data=4, tensor=2):
     return Mesh(np.asarray(jax.devices()[:data * tensor]).reshape(data, tensor), ("data", "tensor"))
 
 
-def trace_for_cuda(f, *args):
-    """(jaxpr Pallas calls, exported module) of `f` traced as a GPU run traces it."""
+def export_for_cuda(f, *args) -> tuple[str, dict]:
+    """(the StableHLO module exported for CUDA, the traced program's Pallas kernels by mode)."""
+    jitted = jax.jit(f)
     with backend.target("gpu"):
-        calls = jaxpr_pallas_calls(jax.make_jaxpr(f)(*args))
-        return calls, jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=WAIVED)(*args).mlir_module()
+        module = jax.export.export(jitted, platforms=["cuda"], disabled_checks=WAIVED)(*args).mlir_module()
+        return module, hlo.pallas_kernels(jitted.trace(*args).jaxpr)
 
 
 def mla_shapes(mesh, B=4, T=1024, H=4):
@@ -45,10 +47,10 @@ def test_fwd_and_grad_export_for_cuda_per_shard_on_data_x_tensor_mesh():
     mesh = data_tensor_mesh()
     forward = lambda q, k, v, s: attention(q, k, v, segment_ids_BT=s, impl="auto")
     loss = lambda *a: jnp.sum(forward(*a).astype(jnp.float32))
-    for f, kernels in ((forward, TRITON_FWD), (jax.grad(loss, argnums=(0, 1, 2)), TRITON_GRAD)):
-        calls, module = trace_for_cuda(f, *mla_shapes(mesh))
-        assert {name for name, _ in calls} == set(triton_calls(module)) == kernels
-        assert not any(interpret for _, interpret in calls) and "tpu_custom_call" not in module
+    for f, names in ((forward, set(TRITON_FWD)), (jax.grad(loss, argnums=(0, 1, 2)), TRITON_GRAD_NAMES)):
+        module, traced = export_for_cuda(f, *mla_shapes(mesh))
+        assert set(hlo.triton_calls(module)) == set(traced["triton"]) == names
+        assert traced["mosaic"] == traced["interpret"] == {} and "tpu_custom_call" not in module
         assert 'manual_axes={"data", "tensor"}' in module
         assert triton_operand_types(module) >= {"tensor<1x1024x2x192xbf16>", "tensor<1x1024xi32>"}
         assert not any(t.startswith("tensor<4x") for t in triton_operand_types(module))
@@ -67,8 +69,9 @@ def test_the_checks_can_fail():
     assert "tensor<4x1024x4x192xbf16>" in triton_operand_types(module)
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
     seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
-    calls, module = trace_for_cuda(lambda q, s: attention(q, q, q, segment_ids_BT=s, impl="auto", interpret=True), q, seg)
-    assert calls == {("mha_forward", True): 1} and not triton_calls(module)
+    module, traced = export_for_cuda(lambda q, s: attention(q, q, q, segment_ids_BT=s, impl="auto", interpret=True),
+                                     q, seg)
+    assert traced == {"mosaic": {}, "triton": {}, "interpret": TRITON_FWD} and hlo.triton_calls(module) == {}
 
 
 @pytest.mark.slow

@@ -25,9 +25,12 @@ def data_tensor_mesh(data=4, tensor=2):
     return Mesh(np.asarray(jax.devices()[:data * tensor]).reshape(data, tensor), ("data", "tensor"))
 
 
-def export_for_tpu(f, *args) -> str:
+def export_for_tpu(f, *args) -> tuple[str, dict]:
+    """(the StableHLO module exported for TPU, the traced program's Pallas kernels by mode)."""
+    jitted = jax.jit(f)
     with backend.target("tpu"):
-        return jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+        module = jax.export.export(jitted, platforms=["tpu"])(*args).mlir_module()
+        return module, hlo.pallas_kernels(jitted.trace(*args).jaxpr)
 
 
 def test_fwd_and_grad_export_for_tpu_on_data_x_tensor_mesh():
@@ -45,8 +48,8 @@ def test_fwd_and_grad_export_for_tpu_on_data_x_tensor_mesh():
         return jnp.sum(forward(q, k, v, seg).astype(jnp.float32))
 
     for f, kernels in ((forward, FWD), (jax.grad(loss, argnums=(0, 1, 2)), GRAD)):
-        module = export_for_tpu(f, q, q, v, seg)
-        assert hlo.pallas_calls(module) == {"mosaic": kernels, "interpret": {}}
+        module, traced = export_for_tpu(f, q, q, v, seg)
+        assert hlo.mosaic_calls(module) == kernels and traced == {"mosaic": kernels, "triton": {}, "interpret": {}}
         assert 'manual_axes={"data", "tensor"}' in module and "tensor<1x1024x2x192xbf16>" in module
 
     # the kernel without the mapping: XLA cannot partition its Mosaic call
@@ -62,10 +65,9 @@ def test_the_mosaic_count_sees_interpret_mode():
     tile = NamedSharding(mesh, P("data", None, "tensor", None))
     q = jax.ShapeDtypeStruct((4, 256, 2, 128), jnp.float32, sharding=tile)
     seg = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=NamedSharding(mesh, P("data", None)))
-    module = export_for_tpu(lambda q, seg: attention(q, q, q, segment_ids_BT=seg, impl="splash", interpret=True),
-                            q, seg)
-    calls = hlo.pallas_calls(module)
-    assert calls["mosaic"] == {} and set(calls["interpret"]) == set(FWD)
+    module, traced = export_for_tpu(
+        lambda q, seg: attention(q, q, q, segment_ids_BT=seg, impl="splash", interpret=True), q, seg)
+    assert hlo.mosaic_calls(module) == {} and traced == {"mosaic": {}, "triton": {}, "interpret": FWD}
 
 
 def test_interpret_numerics_on_sharded_mesh_equal_single_device():

@@ -4,7 +4,7 @@ Each test builds the run's real step (`TrainProgram`: forward, backward, AdamW, 
 micro-batches) from the config files run.py composes (`kernel=chunked`, the model's `attention_impl:
 auto`) on an 8-device `fsdp=2 x tensor=2 x expert=2` mesh. Every Pallas kernel of the step must be the
 Triton attention kernel (pallas_triton) inside its shard_map: no TPU custom call, and no pallas_call in
-interpret mode anywhere in the traced jaxpr (`tests/kernels/pallas_calls.py`). With `attention_impl:
+interpret mode anywhere in the traced jaxpr (`lingpack.hlo.pallas_kernels`). With `attention_impl:
 splash` the same trace is a ConfigError (tests/test_backend.py); tests/kernels/test_attention_triton.py
 shows that both checks can fail.
 
@@ -14,15 +14,14 @@ through `jax.export` in the `slow` cases (run them under `flock /tmp/lingpack-bi
 """
 from pathlib import Path
 
-import jax
 import pytest
 import yaml
 
-from lingpack import backend
+from lingpack import backend, hlo
 from lingpack import config as config_lib
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.program import TrainProgram
-from tests.kernels.pallas_calls import TRITON_GRAD, jaxpr_pallas_calls, triton_calls, triton_operand_types
+from tests.kernels.triton_cases import TRITON_GRAD_NAMES, triton_operand_types
 
 ROOT = Path(__file__).resolve().parents[2]
 MESH = dict(data=1, fsdp=2, tensor=2, expert=2, context=1)
@@ -40,10 +39,11 @@ def program(model_name: str, num_layers: int | None = None, *, rows: int = 8, se
                                      TrainConfig(micro_batches=micro_batches), rows=rows, seq_length=seq_length)
 
 
-def check_kernels(calls, module: str) -> None:
-    assert "tpu_custom_call" not in module
-    assert not [name for name, interpret in calls if interpret], f"interpret-mode Pallas calls: {calls}"
-    assert {name for name, _ in calls} == set(triton_calls(module)) == TRITON_GRAD
+def check_kernels(kernels: dict, module: str) -> None:
+    """Every kernel of the step is a Triton call (counted by name in the module), none Mosaic or interpreted."""
+    assert kernels["interpret"] == {}, f"Pallas kernels traced in interpret mode: {kernels['interpret']}"
+    assert kernels["mosaic"] == {} and "tpu_custom_call" not in module
+    assert set(kernels["triton"]) == set(hlo.triton_calls(module)) == TRITON_GRAD_NAMES
     assert ALL_AXES in module
 
 
@@ -63,18 +63,16 @@ def test_flagship_widths_lower_for_cuda_with_triton_attention_only():
     with backend.target("gpu"):
         traced = step.step.trace(step.state_specs(), step.batch_specs())
         module = traced.lower(lowering_platforms=("cuda",)).as_text()   # what jax.export lowers
-    check_kernels(jaxpr_pallas_calls(traced.jaxpr), module)
+    check_kernels(hlo.pallas_kernels(traced.jaxpr), module)
     assert local_q(model, 8, T) == "tensor<1x8192x8x192xbf16>" and local_q(model, 8, T) in triton_operand_types(module)
 
 
 def export_checked(model_name: str, seq_length: int):
     model, step = program(model_name, seq_length=seq_length)
-    exported = step.export("gpu")
+    exported, kernels = step.export("gpu", with_kernels=True)
     assert exported.platforms == ("cuda",)
-    with backend.target("gpu"):
-        calls = jaxpr_pallas_calls(jax.make_jaxpr(step.step)(step.state_specs(), step.batch_specs()))
     module = exported.mlir_module()
-    check_kernels(calls, module)
+    check_kernels(kernels, module)
     assert local_q(model, 8, seq_length) in triton_operand_types(module)
     return model, module
 

@@ -8,16 +8,15 @@ interpret mode anywhere in the traced jaxpr (`lingpack.hlo.pallas_kernels`). Wit
 splash` the same trace is a ConfigError (tests/test_backend.py); tests/kernels/test_attention_triton.py
 shows that both checks can fail.
 
-The default suite traces the flagship's real widths at 4 of its 24 layers (3 KDA, 1 MLA, the MTP layer;
-tracing is the cost, nothing compiles) and lowers it for CUDA; the whole flagship and ling3_small go
-through `jax.export` in the `slow` cases (run them under `flock /tmp/lingpack-bigmem.lock`).
+The default suite exports the flagship's real widths at 4 of its 24 layers (3 KDA, 1 MLA, the MTP layer;
+tracing is the cost, nothing compiles); the whole flagship and ling3_small are the `slow` cases.
 """
 from pathlib import Path
 
 import pytest
 import yaml
 
-from lingpack import backend, hlo
+from lingpack import hlo
 from lingpack import config as config_lib
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.program import TrainProgram
@@ -54,27 +53,21 @@ def local_q(model, rows: int, seq_length: int, micro_batches: int = 2) -> str:
     return f"tensor<{B}x{seq_length}x{H}x{model.mla.qk_head_dim}xbf16>"
 
 
-def test_flagship_widths_lower_for_cuda_with_triton_attention_only():
-    """Flagship widths at 4 layers, T=8192, 2 micro-batches of 4 rows: every attention kernel sees 1 row and
-    8 of the 16 heads."""
-    T = 8192
-    model, step = program("ling3_flagship", 4, seq_length=T)
-    assert (model.attention_impl, model.kda_impl) == ("auto", "chunked")
-    with backend.target("gpu"):
-        traced = step.step.trace(step.state_specs(), step.batch_specs())
-        module = traced.lower(lowering_platforms=("cuda",)).as_text()   # what jax.export lowers
-    check_kernels(hlo.pallas_kernels(traced.jaxpr), module)
-    assert local_q(model, 8, T) == "tensor<1x8192x8x192xbf16>" and local_q(model, 8, T) in triton_operand_types(module)
-
-
-def export_checked(model_name: str, seq_length: int):
-    model, step = program(model_name, seq_length=seq_length)
+def export_checked(model_name: str, seq_length: int, num_layers: int | None = None):
+    model, step = program(model_name, num_layers, seq_length=seq_length)
     exported, kernels = step.export("gpu", with_kernels=True)
-    assert exported.platforms == ("cuda",)
+    assert exported.platforms == ("cuda",) and (model.attention_impl, model.kda_impl) == ("auto", "chunked")
     module = exported.mlir_module()
     check_kernels(kernels, module)
     assert local_q(model, 8, seq_length) in triton_operand_types(module)
     return model, module
+
+
+def test_flagship_widths_export_for_cuda_with_triton_attention_only():
+    """Flagship widths at 4 layers, T=8192, 2 micro-batches of 4 rows: every attention kernel sees 1 row and
+    8 of the 16 heads."""
+    model, _ = export_checked("ling3_flagship", 8192, num_layers=4)
+    assert local_q(model, 8, 8192) == "tensor<1x8192x8x192xbf16>"
 
 
 @pytest.mark.slow

@@ -80,3 +80,17 @@ def test_flagship_step_exports_for_cuda_on_fsdp_tensor_expert():
 @pytest.mark.slow
 def test_ling3_small_step_exports_for_cuda_on_fsdp_tensor_expert():
     export_checked("ling3_small", 4096)
+
+
+@pytest.mark.slow
+def test_the_step_check_sees_an_emulated_kernel():
+    """The check can fail: the Pallas TPU KDA kernel with `kernel.interpret=true` traced for GPU is reported."""
+    import dataclasses
+    model, _ = program("ling3_flagship", 4, seq_length=1024)
+    model = dataclasses.replace(model, kda_impl="pallas_segment", kda_interpret=True)
+    step = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=1000), ParallelConfig(**MESH),
+                              TrainConfig(micro_batches=2), rows=8, seq_length=1024)
+    exported, kernels = step.export("gpu", with_kernels=True)
+    assert set(kernels["interpret"]) == {"kda_segment_fwd", "kda_segment_states", "kda_segment_bwd"}
+    with pytest.raises(AssertionError, match="interpret mode"):
+        check_kernels(kernels, exported.mlir_module())

@@ -169,8 +169,9 @@ def kda_part(size: dict, peak: float) -> dict:
         do_t = to_t(flat(do))
 
         def fla_call():
-            return fla_chunk_kda(*leaves, A_log=A_t, dt_bias=dt_t, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                                 safe_gate=True, lower_bound=LOWER_BOUND, cu_seqlens=cu)[0]
+            return fla_chunk_kda(*leaves, A_log=A_t, dt_bias=dt_t, use_gate_in_kernel=True,
+                                 use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND,
+                                 cu_seqlens=cu)[0]
 
         def fla_step():
             for t in leaves + [A_t, dt_t]:
@@ -330,7 +331,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"this benchmark measures a GPU; JAX sees {jax.devices()[0].platform} (use --dry-run)")
     result = {"environment": environment(args.dry_run)}
     peak = result["environment"]["peak_flops_per_device"] or float("nan")
-    runs = {"kda": lambda: kda_part(size, peak), "attention": lambda: attention_part(size, peak, backend.current() == "gpu"),
+    on_gpu = backend.current() == "gpu"
+    runs = {"kda": lambda: kda_part(size, peak), "attention": lambda: attention_part(size, peak, on_gpu),
             "moe": lambda: moe_part(size), "step": lambda: step_part(size, peak)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -119,11 +119,15 @@ def mosaic_calls(module: str) -> dict:
     return dict(collections.Counter(re.findall(r'tpu_custom_call\(.*?kernel_name = "([^"]+)"', module)))
 
 
+TRITON_CALL = "__gpu$xla.gpu.triton"   # the custom-call target of a Pallas kernel lowered through Triton
+
+
 def triton_calls(module: str) -> dict:
     """Triton (Pallas GPU) kernels of a StableHLO module exported for CUDA: {kernel name: calls}, counted like
-    `mosaic_calls`. A Triton kernel lowers to one `__gpu$xla.gpu.triton` custom call whose backend config
-    `name` is the pallas_call's `name`."""
-    return dict(collections.Counter(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "([^"]+)"', module)))
+    `mosaic_calls`. A Triton kernel lowers to one `TRITON_CALL` custom call whose backend config `name` is
+    the pallas_call's `name`."""
+    call = re.escape(f"custom_call @{TRITON_CALL}(")
+    return dict(collections.Counter(re.findall(call + r'.*?name = "([^"]+)"', module)))
 
 
 def pallas_call_eqns(jaxpr) -> list:

@@ -15,11 +15,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from lingpack import backend, hlo
 from lingpack.kernels.attention import pallas_triton
 from lingpack.kernels.attention.api import attention
-from lingpack.train.program import TRITON_CALL
 from tests.kernels.kda_cases import segments_from_lengths
 from tests.kernels.triton_cases import TRITON_FWD, TRITON_GRAD_NAMES, triton_operand_types
 
-WAIVED = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+WAIVED = [jax.export.DisabledSafetyCheck.custom_call(hlo.TRITON_CALL)]
 
 
 def data_tensor_mesh(data=4, tensor=2):

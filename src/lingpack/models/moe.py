@@ -7,8 +7,8 @@ scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor
 Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
 token is ever dropped: `jax.lax.ragged_dot` on TPU (XLA:TPU's grouped matmul), `tiled_grouped_matmul` on
 CPU and GPU, where XLA expands ragged_dot into a dense dot of every row against every expert (E times the
-work: measured on CPU by bench_train.py; on NVIDIA GPUs openxla/xla:xla/hlo/transforms/expanders/
-ragged_dot_rewriter.cc does the same unless the experimental cuDNN ragged-dot fusion flag is set).
+work). bench_train.py measured that on CPU; on NVIDIA GPUs the expansion is
+openxla/xla:xla/hlo/transforms/expanders/ragged_dot_rewriter.cc, unless an experimental cuDNN flag is set.
 Shared experts see every token. Under context parallelism every device dispatches its own tokens.
 
 `expert_bias` is an `ExpertBias` variable, not an `nnx.Param`: gradients never reach it; it moves only

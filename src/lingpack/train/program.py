@@ -25,7 +25,6 @@ from lingpack.train import sharding as shard_lib
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.step import ModelDef, TrainState, init_fn, make_train_step, state_shardings
 
-TRITON_CALL = "__gpu$xla.gpu.triton"   # the custom-call target of a Pallas kernel lowered through Triton
 BATCH_KEYS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position")
 
 
@@ -98,7 +97,7 @@ class TrainProgram:
         waived: the export proves lowering, and it runs under the jaxlib that made it.
         """
         platforms = {"gpu": "cuda"}.get(platform, platform)
-        waived = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)] if platforms in ("cuda", "rocm") else []
+        waived = [jax.export.DisabledSafetyCheck.custom_call(hlo.TRITON_CALL)] if platforms in ("cuda", "rocm") else []
         with backend.target(platform):
             exported = jax.export.export(self.step, platforms=[platforms], disabled_checks=waived)(
                 self.state_specs(), self.batch_specs())

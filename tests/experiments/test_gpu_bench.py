@@ -1,7 +1,8 @@
 """experiments/gpu/bench.py on CPU with tiny shapes (`--dry-run`): every part runs and writes its JSON entry.
 
 A dry run checks plumbing only (on CPU pallas_triton runs in interpret mode, FLA and cuDNN are skipped);
-the benchmark's figures come from a GPU run.
+the benchmark's figures come from a GPU run. The default suite loads the script and checks its packed rows;
+the dry runs (tens of CPU seconds of compiles) are `slow`.
 """
 import importlib.util
 import json
@@ -39,8 +40,9 @@ def check_part(result: dict, part: str) -> dict:
     return entry
 
 
+@pytest.mark.slow
 def test_dry_run_writes_each_part_as_it_ends(tmp_path):
-    """The cheapest part in the default suite (one MoE layer, both grouped matmuls); the rest below."""
+    """One MoE layer with both grouped matmuls: the JSON is written as each part ends."""
     bench = bench_module()
     out = tmp_path / "dry.json"
     result = bench.main(["--dry-run", "--parts", "moe", "--out", str(out)])

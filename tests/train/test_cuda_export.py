@@ -8,8 +8,8 @@ interpret mode anywhere in the traced jaxpr (`lingpack.hlo.pallas_kernels`). Wit
 splash` the same trace is a ConfigError (tests/test_backend.py); tests/kernels/test_attention_triton.py
 shows that both checks can fail.
 
-The default suite exports the flagship's real widths at 4 of its 24 layers (3 KDA, 1 MLA, the MTP layer;
-tracing is the cost, nothing compiles); the whole flagship and ling3_small are the `slow` cases.
+The default suite exports the flagship's real widths at 2 layers (each mixer and FFN kind once, and the MTP
+layer; tracing is the cost, nothing compiles); the whole flagship and ling3_small are the `slow` cases.
 """
 from pathlib import Path
 
@@ -27,12 +27,11 @@ MESH = dict(data=1, fsdp=2, tensor=2, expert=2, context=1)
 ALL_AXES = 'manual_axes={"data", "fsdp", "tensor", "expert", "context"}'
 
 
-def program(model_name: str, num_layers: int | None = None, *, rows: int = 8, seq_length: int, micro_batches: int = 2):
-    """The step of `model=<model_name> kernel=chunked [model.num_layers=N]` on the mesh above."""
+def program(model_name: str, *, rows: int = 8, seq_length: int, micro_batches: int = 2, **model_overrides):
+    """The step of `model=<model_name> kernel=chunked [model.<key>=<value> ...]` on the mesh above."""
     kernel = config_lib.make(config_lib.KernelConfig, yaml.safe_load((ROOT / "conf/kernel/chunked.yaml").read_text()),
                              "kernel")
-    values = yaml.safe_load((ROOT / f"conf/model/{model_name}.yaml").read_text())
-    values["num_layers"] = num_layers or values["num_layers"]
+    values = {**yaml.safe_load((ROOT / f"conf/model/{model_name}.yaml").read_text()), **model_overrides}
     model = config_lib.model_config(values, kernel, values["vocab_size"])
     return model, TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=1000), ParallelConfig(**MESH),
                                      TrainConfig(micro_batches=micro_batches), rows=rows, seq_length=seq_length)
@@ -53,8 +52,8 @@ def local_q(model, rows: int, seq_length: int, micro_batches: int = 2) -> str:
     return f"tensor<{B}x{seq_length}x{H}x{model.mla.qk_head_dim}xbf16>"
 
 
-def export_checked(model_name: str, seq_length: int, num_layers: int | None = None):
-    model, step = program(model_name, num_layers, seq_length=seq_length)
+def export_checked(model_name: str, seq_length: int, **model_overrides):
+    model, step = program(model_name, seq_length=seq_length, **model_overrides)
     exported, kernels = step.export("gpu", with_kernels=True)
     assert exported.platforms == ("cuda",) and (model.attention_impl, model.kda_impl) == ("auto", "chunked")
     module = exported.mlir_module()
@@ -64,9 +63,10 @@ def export_checked(model_name: str, seq_length: int, num_layers: int | None = No
 
 
 def test_flagship_widths_export_for_cuda_with_triton_attention_only():
-    """Flagship widths at 4 layers, T=8192, 2 micro-batches of 4 rows: every attention kernel sees 1 row and
-    8 of the 16 heads."""
-    model, _ = export_checked("ling3_flagship", 8192, num_layers=4)
+    """Flagship widths at 2 layers (a KDA layer with the dense FFN, an MLA layer with the MoE; cycle 2) and the
+    MTP layer, T=8192, 2 micro-batches of 4 rows: every attention kernel sees 1 row and 8 of the 16 heads."""
+    model, _ = export_checked("ling3_flagship", 8192, num_layers=2, inhomogeneous_layer_cycle_interval=2)
+    assert model.layer_kinds() == [("kda", "dense"), ("mla", "moe")]
     assert local_q(model, 8, 8192) == "tensor<1x8192x8x192xbf16>"
 
 
@@ -86,7 +86,7 @@ def test_ling3_small_step_exports_for_cuda_on_fsdp_tensor_expert():
 def test_the_step_check_sees_an_emulated_kernel():
     """The check can fail: the Pallas TPU KDA kernel with `kernel.interpret=true` traced for GPU is reported."""
     import dataclasses
-    model, _ = program("ling3_flagship", 4, seq_length=1024)
+    model, _ = program("ling3_flagship", seq_length=1024, num_layers=2, inhomogeneous_layer_cycle_interval=2)
     model = dataclasses.replace(model, kda_impl="pallas_segment", kda_interpret=True)
     step = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=1000), ParallelConfig(**MESH),
                               TrainConfig(micro_batches=2), rows=8, seq_length=1024)

@@ -7,7 +7,7 @@ from lingpack.train.configs import ParallelConfig
 
 
 def test_mesh_that_does_not_fit_names_the_exact_fix(monkeypatch):
-    # the test session has 8 CPU devices, set through XLA_FLAGS (tests/conftest.py)
+    # pytest runs with 8 CPU devices, set through XLA_FLAGS (tests/conftest.py)
     with pytest.raises(ConfigError, match=r"mesh data=1 x fsdp=1 x tensor=16 x expert=1 x context=1 needs 16 devices, "
                                           r"but this run has 8 cpu devices; XLA_FLAGS sets "
                                           r"--xla_force_host_platform_device_count=8: raise it to 16 \(or drop it and "

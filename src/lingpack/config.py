@@ -72,6 +72,12 @@ class ParityConfig:
     tolerance: float = 1e-4
     megatron_log: str | None = None  # compare against an imported Megatron-LM log as well
     lock_routing: bool = False       # the reference uses lingpack's expert selections (parity/harness.py)
+    reference_dtype: str | None = None  # float32 | float64; None: float64 for a float64 model, else float32
+
+    def __post_init__(self):
+        if self.reference_dtype not in (None, "float32", "float64"):
+            raise ConfigError(f"parity.reference_dtype={self.reference_dtype!r} is not one of float32, float64 or "
+                              "null (null: float64 when model.dtype is float64, else float32)")
 
 
 @dataclasses.dataclass(frozen=True)

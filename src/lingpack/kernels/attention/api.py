@@ -39,5 +39,8 @@ def attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT=None, impl: str = "dot_p
         return dot_product_attention(q_BTHK, k_BTHK, v_BTHV, **kw)
     if impl == "flash":
         return flash_attention(q_BTHK, k_BTHK, v_BTHV, block_kv=block_size, **kw)
+    if jnp.float64 in (q_BTHK.dtype, k_BTHK.dtype, v_BTHV.dtype):
+        raise ValueError("impl='splash' is a TPU kernel computing in fp32 (TPUs have no float64): float64 inputs "
+                         "would be rounded; use impl='dot_product' or 'flash'")
     from lingpack.kernels.attention.splash import splash_attention  # Pallas import only when used
     return splash_attention(q_BTHK, k_BTHK, v_BTHV, block=block_size, interpret=interpret, **kw)

@@ -153,7 +153,8 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
     summary = {"parity_max_rel": result.max_rel, "parity_mean_rel": result.mean_rel,
                "parity_passed": bool(result.passed), "parity_tolerance": rc.parity.tolerance,
                "parity_steps": steps, "reference_seconds": seconds, "parity_lock_routing": bool(lock),
-               "parity_reference_dtype": reference_dtype(rc), **dtypes_used(jax_model, hf_model)}
+               "parity_reference_dtype": reference_dtype(rc), "parity_lingpack_compute_dtype": rc.model.dtype,
+               **dtypes_used(jax_model, hf_model)}
     summary.update(terms)
     summary.update(validation)
     if trace is not None:

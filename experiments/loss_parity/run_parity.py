@@ -11,8 +11,8 @@ layer, the flipped tokens' decision margin); every variant compares the MTP and 
 (`<run>/parity/terms.csv`) and the evaluations on the valid and test splits (`<run>/parity/validation_parity.csv`).
 Writes `results.json` (one row per variant, from the runs' summaries), `results.md` (the table, `table(rows)`)
 and the table into docs/parity.md between its `<!-- results: loss_parity -->` markers.
-`--only` reruns the named variants (run directories of the others are reused); `--reuse` keeps every variant
-whose run directory has a summary. The table always covers every variant.
+`--only` reruns the named variants and keeps the others' runs; `--reuse` keeps every variant whose run directory
+has a summary. The table holds a row for every variant that has a run.
 """
 
 from __future__ import annotations
@@ -47,18 +47,18 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default=str(ROOT / "experiments" / "loss_parity" / "results"))
     parser.add_argument("--reuse", action="store_true", help="keep every variant whose run directory has a summary")
-    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), help="rerun these variants, reuse the others")
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run these variants, keep the others' runs")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, (overrides, tolerance) in VARIANTS.items():
         run_dir = run_dir_of(name, out)
-        keep = (args.reuse or (args.only and name not in args.only)) and (run_dir / "summary.json").exists()
-        if not keep:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run_variant(run_dir, overrides, tolerance, args.steps)
+        if (args.only and name not in args.only) or (args.reuse and (run_dir / "summary.json").exists()):
+            continue
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_variant(run_dir, overrides, tolerance, args.steps)
     rows = [row_of(name, tolerance, run_dir_of(name, out)) for name, (_, tolerance) in VARIANTS.items()
-            if (run_dir_of(name, out) / "summary.json").exists()]
+            if (run_dir_of(name, out) / "summary.json").exists()]   # a variant not run yet has no row
     write(rows, out)
     print(table(rows))
 

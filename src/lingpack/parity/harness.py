@@ -76,8 +76,19 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
 
     `routing`: lingpack's `{step: trace}` (a RoutingRecorder's `steps`); required by `parity.lock_routing`.
     `final_eval`: lingpack's end-of-run evaluations (`TrainResult.final_eval`); the reference evaluates the same
-    splits after its last step.
+    splits after its last step. The reference runs with `parity.reference_threads` torch threads (restored after).
     """
+    import torch
+    threads, previous = getattr(rc.parity, "reference_threads", None), torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _run_parity(rc, history, metrics_logger, initial_model, routing, final_eval)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_parity(rc, history, metrics_logger, initial_model, routing, final_eval) -> dict:
     import json
 
     import torch
@@ -161,7 +172,8 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
         summary.update(routing_first_flip_step=flip["step"] if flip else None,
                        routing_first_flip_layer=flip["layer"] if flip else None,
                        routing_first_flip_margin=flip["lingpack_margin_max"] if flip else None,
-                       routing_total_flips=trace["total_flips"])
+                       routing_total_flips=trace["total_flips"], expert_bias_parity_max_rel=trace["bias_max_rel_diff"],
+                       expert_bias_parity_passed=trace["bias_max_rel_diff"] <= rc.parity.tolerance)
     if reference_wandb is not None:
         reference_wandb.summary(summary)
         reference_wandb.finish()

@@ -40,7 +40,9 @@ def at_least_fp32(*dtypes) -> jnp.dtype:
     is wider (float64). `jnp.promote_types`, so bf16 with fp32 is fp32 and anything with float64 is float64."""
     out = jnp.dtype(jnp.float32)
     for dtype in dtypes:
-        out = jnp.promote_types(out, as_dtype(dtype) if isinstance(dtype, str) else getattr(dtype, "dtype", dtype))
+        if not isinstance(dtype, (str, type, jnp.dtype)):   # an array: its dtype
+            dtype = dtype.dtype
+        out = jnp.promote_types(out, as_dtype(dtype))
     return out
 
 

@@ -6,8 +6,9 @@ transformers' KimiLinear and DeepseekV3 modules and FLA's torch gate compute the
 (float32 because bf16 is not enough); for a float64 reference they must follow the wider dtype, or every
 norm would round to float32 and parity could not go below ~1e-7.
 
-`module(name)` loads the installed module's own source and changes exactly two kinds of node before running
-it as a separate module (the original stays untouched and imported as usual):
+`module(name)` (or `module_at(path, name)` for a file) loads the installed module's own source and changes
+exactly two kinds of node before running it as a separate module (the original stays untouched and imported
+as usual):
 
     torch.float32, torch.float   ->  torch.float64
     <expr>.float()               ->  <expr>.double()
@@ -57,12 +58,11 @@ def widen_tree(tree: ast.AST) -> tuple[ast.AST, list[tuple[int, str, str]]]:
     return tree, transformer.changes
 
 
-def _source(name: str) -> tuple[Path, str]:
+def _source(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         raise ImportError(f"{name} is not an installed Python source module (the float64 reference reads its source)")
-    path = Path(spec.origin)
-    return path, path.read_text()
+    return Path(spec.origin)
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,18 +71,25 @@ def module(name: str) -> types.ModuleType:
 
     It is registered as `<name>_float64` beside the original, in the same package, so its relative imports
     resolve to the original package's (unchanged) modules."""
-    path, source = _source(name)
-    tree, changes = widen_tree(ast.parse(source, str(path)))
+    return module_at(_source(name), f"{name}_float64", name.rpartition(".")[0])
+
+
+@functools.lru_cache(maxsize=None)
+def module_at(path: Path, name: str, package: str = "") -> types.ModuleType:
+    """The Python file `path` run as module `name` (in `package`) with every float32 upcast float64 (cached):
+    for files whose package cannot be imported here (FLA's needs triton)."""
+    path = Path(path)
+    tree, changes = widen_tree(ast.parse(path.read_text(), str(path)))
     if not changes:
-        raise ImportError(f"{name} has no float32 upcast to widen: is it still the module the reference expects?")
-    widened = types.ModuleType(f"{name}_float64")
-    widened.__file__, widened.__package__ = str(path), name.rpartition(".")[0]
-    sys.modules[widened.__name__] = widened   # dataclasses and pickling look classes up by their module
+        raise ImportError(f"{path} has no float32 upcast to widen: is it still the module the reference expects?")
+    widened = types.ModuleType(name)
+    widened.__file__, widened.__package__ = str(path), package
+    sys.modules[name] = widened   # dataclasses and pickling look classes up by their module
     exec(compile(tree, str(path), "exec"), widened.__dict__)
     return widened
 
 
-def changed(name: str) -> list[tuple[int, str, str]]:
-    """The rewrites `module(name)` makes: (source line, before, after) per node."""
-    path, source = _source(name)
-    return widen_tree(ast.parse(source, str(path)))[1]
+def changed(path: Path | str) -> list[tuple[int, str, str]]:
+    """The rewrites `module` / `module_at` make in a module (its name) or file (a Path): (line, before, after)."""
+    path = path if isinstance(path, Path) else _source(path)
+    return widen_tree(ast.parse(path.read_text(), str(path)))[1]

@@ -1,6 +1,6 @@
 """Regenerate the loss-parity table: lingpack vs the Megatron-semantics PyTorch reference.
 
-    python experiments/loss_parity/run_parity.py [--steps 50] [--only NAME ...] [--reuse]
+    python experiments/loss_parity/run_parity.py [--steps 50] [--only NAME ...] [--reuse] [--table-only]
 
 Each variant is one `python run.py experiment=loss_parity[_fp64] ...` run (its directory under `results/`):
 the default Ling3 (lower-bound gate, RoPE MLA, MTP) and the model as KimiLinear alone expresses it (softplus
@@ -10,7 +10,9 @@ routing on both sides (`<run>/parity/routing.json`: the first step whose expert 
 layer, the flipped tokens' decision margin); every variant compares the MTP and router z-loss terms per step
 (`<run>/parity/terms.csv`) and the evaluations on the valid and test splits (`<run>/parity/validation_parity.csv`).
 Writes `results.json` (one row per variant, from the runs' summaries), `results.md` (the table, `table(rows)`)
-and the table into docs/parity.md between its `<!-- results: loss_parity -->` markers.
+and the table into docs/parity.md between its `<!-- results: loss_parity -->` markers. Every run directory
+records the commit it measured (`commit.json`; a source snapshot made by `git archive` names its commit in a
+`COMMIT` file at its root).
 `--only` reruns the named variants and keeps the others' runs; `--reuse` keeps every variant whose run directory
 has a summary. The table holds a row for every variant that has a run.
 """
@@ -48,12 +50,13 @@ def main():
     parser.add_argument("--out", default=str(ROOT / "experiments" / "loss_parity" / "results"))
     parser.add_argument("--reuse", action="store_true", help="keep every variant whose run directory has a summary")
     parser.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run these variants, keep the others' runs")
+    parser.add_argument("--table-only", action="store_true", help="run nothing: the table from the runs in --out")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, (overrides, tolerance) in VARIANTS.items():
         run_dir = run_dir_of(name, out)
-        if (args.only and name not in args.only) or (args.reuse and (run_dir / "summary.json").exists()):
+        if args.table_only or (args.only and name not in args.only) or (args.reuse and (run_dir / "summary.json").exists()):
             continue
         shutil.rmtree(run_dir, ignore_errors=True)
         run_variant(run_dir, overrides, tolerance, args.steps)
@@ -67,7 +70,10 @@ def row_of(name: str, tolerance: float, run_dir: Path) -> dict:
     """results.json's row of one variant, from its run's summary and parity files."""
     summary = json.loads((run_dir / "summary.json").read_text())
     stale = "parity_reference_dtype" not in summary  # a run of an earlier harness (no terms, no dtype record)
-    return {"variant": name + (" (previous run)" if stale else ""), "steps": summary["parity_steps"],
+    commit = run_dir / "commit.json"
+    return {"variant": name + (" (previous run)" if stale else ""),
+            "commit": json.loads(commit.read_text())["commit"] if commit.exists() else None,
+            "steps": summary["parity_steps"],
             "dtypes": _dtypes(summary),
             "first_lm_loss": summary["first_lm_loss"], "final_lm_loss": summary["final_lm_loss"],
             "max_rel_diff": summary["parity_max_rel"], "mean_rel_diff": summary["parity_mean_rel"],
@@ -107,13 +113,13 @@ def _cell(value, fmt: str = ".2e") -> str:
 
 def table(rows: list[dict]) -> str:
     """results.md (the table of docs/parity.md) from results.json's rows."""
-    lines = ["| variant | steps | dtypes: lingpack / reference | lm loss first -> last | max rel diff | mean rel diff "
+    lines = ["| variant | lingpack commit | steps | dtypes: lingpack / reference | lm loss first -> last | max rel diff | mean rel diff "
              "| MTP max rel diff | router z-loss max rel diff | target | first step over target "
              "| first routing flip: step (layer), margin | rel diff before flip -> worst after "
              "| validation max rel diff (evaluations) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['steps']} | {r.get('dtypes', '?')} | {r['first_lm_loss']:.4f} -> "
+        lines.append(f"| {r['variant']} | {r.get('commit') or '-'} | {r['steps']} | {r.get('dtypes', '?')} | {r['first_lm_loss']:.4f} -> "
                      f"{r['final_lm_loss']:.4f} | {r['max_rel_diff']:.2e} | {r['mean_rel_diff']:.2e} | "
                      f"{_cell(r.get('mtp_max_rel_diff'))} | {_cell(r.get('moe_z_max_rel_diff'))} | "
                      f"<= {r['tolerance']:g} | {r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} | "
@@ -168,6 +174,21 @@ def run_variant(run_dir: Path, overrides: list, tolerance: float, steps: int) ->
            *(o for o in overrides if not o.startswith("experiment="))]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
+    (run_dir / "commit.json").write_text(json.dumps({"commit": source_commit()}) + "\n")
+
+
+def source_commit() -> str:
+    """The commit of the code this script runs: git's HEAD (+ "-dirty" with uncommitted changes), or the COMMIT
+    file of a `git archive` snapshot."""
+    if (ROOT / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    if (ROOT / "COMMIT").exists():
+        return (ROOT / "COMMIT").read_text().strip()
+    raise RuntimeError(f"{ROOT} is neither a git checkout nor a snapshot with a COMMIT file: its runs would name no code")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ class Totals(typing.NamedTuple):
 
 
 def loss_mask(batch: dict) -> jax.Array:
-    """fp32 [B, T]: 1 where the target is trained (`targets_segmentation` is the mask written as ids)."""
+    """fp32 [B, T]: 1 where the target is trained (`targets_segmentation` is the mask written as ids). A format:
+    0/1 is exact in fp32 and promotes to the cross-entropy's dtype."""
     return (batch["targets_segmentation"] != 0).astype(jnp.float32)
 
 

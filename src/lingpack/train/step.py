@@ -221,7 +221,7 @@ def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, r
             out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
             obj, stats = loss_lib.micro_batch_loss(out.logits_BTV, list(out.mtp_logits), out.moe_aux, mb, loss_cfg,
                                                    totals, num_micro_batches=M, moe_z_loss_weight=moe_z_weight)
-            stats["load_counts"] = out.moe_aux["load_counts"].astype(jnp.float32)
+            stats["load_counts"] = out.moe_aux["load_counts"].astype(jnp.float32)  # counts: a format, exact in fp32
             if trace_routing and not set(ROUTING_KEYS) <= set(out.moe_aux):
                 raise ValueError(f"trace_routing needs the model's moe_aux to hold {ROUTING_KEYS}; it has "
                                  f"{sorted(out.moe_aux)} (lingpack.models.moe.MoE returns them)")

@@ -56,7 +56,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     for name, (overrides, tolerance) in VARIANTS.items():
         run_dir = run_dir_of(name, out)
-        if args.table_only or (args.only and name not in args.only) or (args.reuse and (run_dir / "summary.json").exists()):
+        kept = args.reuse and (run_dir / "summary.json").exists()
+        if args.table_only or (args.only and name not in args.only) or kept:
             continue
         shutil.rmtree(run_dir, ignore_errors=True)
         run_variant(run_dir, overrides, tolerance, args.steps)
@@ -77,7 +78,8 @@ def row_of(name: str, tolerance: float, run_dir: Path) -> dict:
             "dtypes": _dtypes(summary),
             "first_lm_loss": summary["first_lm_loss"], "final_lm_loss": summary["final_lm_loss"],
             "max_rel_diff": summary["parity_max_rel"], "mean_rel_diff": summary["parity_mean_rel"],
-            "mtp_max_rel_diff": summary.get("mtp_parity_max_rel"), "moe_z_max_rel_diff": summary.get("moe_z_parity_max_rel"),
+            "mtp_max_rel_diff": summary.get("mtp_parity_max_rel"),
+            "moe_z_max_rel_diff": summary.get("moe_z_parity_max_rel"),
             "tolerance": tolerance, "first_step_over": _first_over(run_dir, tolerance),
             "passed": summary["parity_max_rel"] <= tolerance, **_routing(run_dir),
             "val_max_rel_diff": summary.get("val_parity_max_rel"),
@@ -113,14 +115,16 @@ def _cell(value, fmt: str = ".2e") -> str:
 
 def table(rows: list[dict]) -> str:
     """results.md (the table of docs/parity.md) from results.json's rows."""
-    lines = ["| variant | lingpack commit | steps | dtypes: lingpack / reference | lm loss first -> last | max rel diff | mean rel diff "
-             "| MTP max rel diff | router z-loss max rel diff | target | first step over target "
+    lines = ["| variant | lingpack commit | steps | dtypes: lingpack / reference | lm loss first -> last "
+             "| max rel diff | mean rel diff | MTP max rel diff | router z-loss max rel diff | target "
+             "| first step over target "
              "| first routing flip: step (layer), margin | rel diff before flip -> worst after "
              "| validation max rel diff (evaluations) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r.get('commit') or '-'} | {r['steps']} | {r.get('dtypes', '?')} | {r['first_lm_loss']:.4f} -> "
-                     f"{r['final_lm_loss']:.4f} | {r['max_rel_diff']:.2e} | {r['mean_rel_diff']:.2e} | "
+        lines.append(f"| {r['variant']} | {r.get('commit') or '-'} | {r['steps']} | {r.get('dtypes', '?')} | "
+                     f"{r['first_lm_loss']:.4f} -> {r['final_lm_loss']:.4f} | {r['max_rel_diff']:.2e} | "
+                     f"{r['mean_rel_diff']:.2e} | "
                      f"{_cell(r.get('mtp_max_rel_diff'))} | {_cell(r.get('moe_z_max_rel_diff'))} | "
                      f"<= {r['tolerance']:g} | {r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} | "
                      f"{_validation(r)} |")
@@ -188,7 +192,8 @@ def source_commit() -> str:
         return head + ("-dirty" if dirty else "")
     if (ROOT / "COMMIT").exists():
         return (ROOT / "COMMIT").read_text().strip()
-    raise RuntimeError(f"{ROOT} is neither a git checkout nor a snapshot with a COMMIT file: its runs would name no code")
+    raise RuntimeError(f"{ROOT} is neither a git checkout nor a snapshot with a COMMIT file: its runs would name "
+                       "no code")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ class ParityConfig:
 
     def __post_init__(self):
         if self.reference_threads is not None and self.reference_threads < 1:
-            raise ConfigError(f"parity.reference_threads={self.reference_threads} must be >= 1 or null (torch's default)")
+            raise ConfigError(f"parity.reference_threads={self.reference_threads} must be >= 1 or null "
+                              "(torch's default)")
         if self.reference_dtype not in (None, "float32", "float64"):
             raise ConfigError(f"parity.reference_dtype={self.reference_dtype!r} is not one of float32, float64 or "
                               "null (null: float64 when model.dtype is float64, else float32)")

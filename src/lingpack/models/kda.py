@@ -90,7 +90,8 @@ class KDA(nnx.Module):
         v_BTHV = heads(self.v_conv(self.v_proj(x_BTD), segment_ids_BT))
         g_raw_BTHK = heads(self.f_b_proj(self.f_a_proj(x_BTD)))
         b_BTH = self.b_proj(x_BTD)
-        beta_BTH = jax.nn.sigmoid(b_BTH.astype(at_least_fp32(b_BTH.dtype)))  # fp32 or wider: beta near 0/1 matters in the erase
+        # fp32 or wider: beta near 0/1 matters in the erase
+        beta_BTH = jax.nn.sigmoid(b_BTH.astype(at_least_fp32(b_BTH.dtype)))
         kernel = dict(impl=self.kernel.impl, chunk_size=self.kernel.chunk_size, max_segs=self.kernel.max_segs,
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log[...],
                       dt_bias=self.dt_bias[...], lower_bound=self.cfg.lower_bound,

@@ -70,7 +70,7 @@ class GatedRMSNorm(nnx.Module):
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
         y = rms_normalize(x.astype(at_least_fp32(x.dtype, gate.dtype)), self.eps)
         y = y * self.weight[...].astype(y.dtype)
-        y = y * GATE_ACTIVATIONS[self.activation](gate.astype(y.dtype))  # gate in fp32 (or wider) like FLA's fused kernel
+        y = y * GATE_ACTIVATIONS[self.activation](gate.astype(y.dtype))  # gate in fp32 (or wider), as FLA's kernel
         return y.astype(self.dtype or x.dtype)
 
 

@@ -130,8 +130,8 @@ class Ling3Config:
         as_dtype(self.dtype), as_dtype(self.param_dtype)
         if "float64" in (self.dtype, self.param_dtype):
             if self.kda_impl.startswith("pallas"):
-                raise ValueError(f"kda_impl={self.kda_impl!r} is a TPU kernel computing in fp32 (TPUs have no float64); "
-                                 "a float64 model needs kernel=chunked or kernel=reference")
+                raise ValueError(f"kda_impl={self.kda_impl!r} is a TPU kernel computing in fp32 (TPUs have no "
+                                 "float64); a float64 model needs kernel=chunked or kernel=reference")
             if self.attention_impl == "splash":
                 raise ValueError("attention_impl='splash' is a TPU kernel computing in fp32 (TPUs have no float64); "
                                  "a float64 model needs model.attention_impl=dot_product or flash")

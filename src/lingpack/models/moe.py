@@ -1,9 +1,9 @@
 """Ling / DeepSeek-V3 style mixture of experts with dropless dispatch.
 
-Routing (fp32, float64 with a float64 model): `scores = sigmoid(x @ router)`; experts are CHOSEN by `scores + expert_bias` (the
-auxiliary-loss-free balancing bias), optionally limited to the `topk_groups` best of `n_groups` groups
-(a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the unbiased
-scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
+Routing (fp32, float64 with a float64 model): `scores = sigmoid(x @ router)`; experts are CHOSEN by `scores +
+expert_bias` (the auxiliary-loss-free balancing bias), optionally limited to the `topk_groups` best of
+`n_groups` groups (a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the
+unbiased scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
 Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
 token is ever dropped: `jax.lax.ragged_dot` on accelerators, `tiled_grouped_matmul` on CPU, where
 ragged_dot computes every row against every expert (E times the work; bench_train.py measured it).

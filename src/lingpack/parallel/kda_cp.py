@@ -72,8 +72,8 @@ def _fold(seq, initial_state_BHKV):
 def kda_context_shard(q, k, v, g, beta, segment_ids, *, axis_name: str = "context", load_balance: bool = False,
                       initial_state=None, **kernel_kwargs):
     """Call inside `shard_map`: this device's tokens of each row, `[B, Tl, H, *]` in the layout of reorder.py
-    (zigzag when `load_balance`) -> (o [B, Tl, H, V] in v's dtype, final state [B, H, K, V] fp32 (or wider) of each whole
-    row, the same on every device). `initial_state` [B, H, K, V] seeds each row's first document;
+    (zigzag when `load_balance`) -> (o [B, Tl, H, V] in v's dtype, final state [B, H, K, V] fp32 (or wider) of
+    each whole row, the same on every device). `initial_state` [B, H, K, V] seeds each row's first document;
     `kernel_kwargs` go to `chunk_kda` (impl, chunk_size, gate / L2-norm fusion, ...).
     """
     B, Tl, H, K = q.shape
@@ -94,7 +94,8 @@ def kda_context_shard(q, k, v, g, beta, segment_ids, *, axis_name: str = "contex
                                  _blocks(beta, nb), segment_ids=seg_blocks, initial_state=init_aug,
                                  output_final_state=True, **kernel_kwargs)
     per_block = lambda x: x.reshape(nb, B, *x.shape[1:])
-    # two all-gathers: the fp32 (or float64) [S0 | M] as the kernel returned it, and each block's first / last segment id
+    # two all-gathers: the fp32 (or float64) [S0 | M] as the kernel returned it, and each block's first / last
+    # segment id
     ends = jnp.stack([seg_blocks[:, 0], jnp.max(seg_blocks, axis=1)], axis=-1)
     state, ends = (_sequence_order(jax.lax.all_gather(per_block(x), axis_name), nb) for x in (final_aug, ends))
     seq = dict(S0=state[..., :V], M=state[..., V:], first=ends[..., 0], last=ends[..., 1])

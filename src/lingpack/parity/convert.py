@@ -267,8 +267,8 @@ def _rope_order(cfg: MLAConfig) -> np.ndarray:
 
 
 def mla_to_deepseek_v3(mla, index: tuple = ()) -> dict[str, np.ndarray]:
-    """fp32 (float64 for float64 weights) numpy state dict of a DeepseekV3Attention (its own parameter names) computing lingpack's `mla`
-    (`index`: the layer's slice of a scanned stack, `Ling3.layer_parts`).
+    """fp32 (float64 for float64 weights) numpy state dict of a DeepseekV3Attention (its own parameter names)
+    computing lingpack's `mla` (`index`: the layer's slice of a scanned stack, `Ling3.layer_parts`).
 
     Linear kernels `[in, out]` become weights `[out, in]`; the rope rows of q (per head) and of the shared
     key are put in DeepSeek-V3's order (`_rope_order`), which permutes q and k alike: scores are unchanged."""

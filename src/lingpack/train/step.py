@@ -6,11 +6,11 @@ The model is rebuilt inside the step from a static `nnx.GraphDef`; each paramete
 dtype to the dtype the model created it in (bf16 compute with fp32 master; fp32 ones like the router stay;
 float64 throughout with float64 master and model dtypes, in JAX's x64 mode: `lingpack.precision`).
 
-One step: the global batch [B, T] -> [M, B/M, T] micro-batches; `lax.scan` sums each micro-batch's share of
-the objective and its gradient (fp32, or the master dtype when wider), then clip + AdamW, then the MoE expert-bias update from the summed
-load counts (outside the gradient). A non-finite loss or gradient norm leaves the state unchanged except
-`step` (`metrics['finite'] == 0`), so `step - 1` is exactly the state before the bad batch; the loop halts
-or skips on it.
+One step: the global batch [B, T] -> [M, B/M, T] micro-batches; `lax.scan` sums each micro-batch's share of the
+objective and its gradient (fp32, or the master dtype when wider), then clip + AdamW, then the MoE expert-bias
+update from the summed load counts (outside the gradient). A non-finite loss or gradient norm leaves the state
+unchanged except `step` (`metrics['finite'] == 0`), so `step - 1` is exactly the state before the bad batch; the
+loop halts or skips on it.
 
 Kernels with `max_segs` cu_seqlens slots (`kernels.kda.api.needs_max_segs`) cannot hold more documents
 than that per micro-batch: `drop_overflow` turns the documents that do not fit into padding before the

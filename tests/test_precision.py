@@ -46,8 +46,10 @@ def test_float64_model_refuses_the_fp32_tpu_kernels():
     from lingpack.models.ling3 import Ling3Config
     with pytest.raises(ValueError, match="a float64 model needs kernel=chunked or kernel=reference"):
         Ling3Config(dtype="float64", kda_impl="pallas_segment")
-    with pytest.raises(ValueError, match="a float64 model needs model.attention_impl=dot_product or flash"):
-        Ling3Config(param_dtype="float64", attention_impl="splash")
+    for kernel in ("splash", "pallas_triton"):
+        with pytest.raises(ValueError, match="a float64 model needs model.attention_impl=dot_product, flash or auto"):
+            Ling3Config(param_dtype="float64", attention_impl=kernel)
+    Ling3Config(dtype="float64", attention_impl="auto")   # auto resolves to flash for float64 inputs
     with pytest.raises(ConfigError, match="^model: kda_impl='pallas_segment' is a TPU kernel"):
         config_lib.model_config({"dtype": "float64"}, config_lib.KernelConfig(name="pallas_segment"), 512)
     with precision.x64(True):

@@ -4,6 +4,7 @@
     python run.py kernel=chunked_aligned kernel.max_segs=32
     python run.py -m kernel=chunked_aligned kernel.max_segs=8,16,32
     python run.py experiment=loss_parity            # Megatron-semantics PyTorch reference side by side
+    python run.py experiment=loss_parity_fp64       # the same in float64 on both sides (JAX x64 mode, per run)
     python run.py -m hydra/launcher=slurm ...       # from a SLURM login node (see slurm_or_tpu_launch/)
 
 A config value, data file or device count that cannot run prints one line (`Error: <key and fix>`) and

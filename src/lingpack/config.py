@@ -76,6 +76,18 @@ class ParityConfig:
     tolerance: float = 1e-4
     megatron_log: str | None = None  # compare against an imported Megatron-LM log as well
     lock_routing: bool = False       # the reference uses lingpack's expert selections (parity/harness.py)
+    reference_dtype: str | None = None  # float32 | float64; None: float64 for a float64 model, else float32
+    # torch threads of the reference (None: torch's default). Its ops are small (one document per row): with more
+    # threads OpenMP spins against JAX's; one thread took 10x less CPU time per step on a shared 2-core machine.
+    reference_threads: int | None = 1
+
+    def __post_init__(self):
+        if self.reference_threads is not None and self.reference_threads < 1:
+            raise ConfigError(f"parity.reference_threads={self.reference_threads} must be >= 1 or null "
+                              "(torch's default)")
+        if self.reference_dtype not in (None, "float32", "float64"):
+            raise ConfigError(f"parity.reference_dtype={self.reference_dtype!r} is not one of float32, float64 or "
+                              "null (null: float64 when model.dtype is float64, else float32)")
 
 
 @dataclasses.dataclass(frozen=True)

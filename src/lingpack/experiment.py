@@ -19,8 +19,10 @@ import os
 import statistics
 from pathlib import Path
 
+import jax
+
 from lingpack import config as config_lib
-from lingpack import devices, distributed
+from lingpack import devices, distributed, precision
 from lingpack.kernels.kda import api as kda_api
 
 log = logging.getLogger("lingpack")
@@ -117,15 +119,22 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
     calls this with the same config and run directory; all train and save their checkpoint shards,
     process 0 alone writes W&B, metrics, plots and the summary.
     """
-    rc = config_lib.build(plain, run_dir)
+    rc = config_lib.build(plain, run_dir)  # makes no JAX array
     device_line = devices.request_cpu_devices(rc.parallel.cpu_devices)  # before anything starts JAX's backends
-    distributed.initialize(rc.distributed)
-    device_line = devices.settled(device_line, rc.parallel.cpu_devices)
-    devices.check_mesh(rc.parallel)
-    distributed.check_same_everywhere("run directory", os.path.abspath(run_dir))
-    writer = distributed.is_writer()  # the one place that decides who writes run records
-    summary = _train_and_report(rc, plain, run_dir, group, writer, device_line)
-    distributed.wait_for_writer()  # the others wait here while process 0 writes, not in JAX's exit barrier
+    float64 = precision.wants_float64(rc.model.dtype, rc.model.param_dtype, rc.optim.master_dtype)
+    # JAX's x64 mode decides the dtype of every array made after it is set, and float64 arrays exist only in it:
+    # set from the config here, before this run makes its first array (data, model, state, the parity side),
+    # and restored after, so that a multirun's next job or a caller's own arrays keep their setting.
+    with precision.x64(float64):
+        distributed.initialize(rc.distributed)
+        device_line = devices.settled(device_line, rc.parallel.cpu_devices)
+        devices.check_mesh(rc.parallel)
+        if float64:  # after the backend starts (jax.distributed first): a one-line refusal where it cannot work
+            precision.check_float64()
+        distributed.check_same_everywhere("run directory", os.path.abspath(run_dir))
+        writer = distributed.is_writer()  # the one place that decides who writes run records
+        summary = _train_and_report(rc, plain, run_dir, group, writer, device_line)
+        distributed.wait_for_writer()  # the others wait here while process 0 writes, not in JAX's exit barrier
     return summary
 
 
@@ -157,6 +166,8 @@ def _train_and_report(rc: config_lib.RunConfig, plain: dict, run_dir: str, group
             result = loop.train(*args, **kwargs)
         history = metrics_logger.records() or list(result.history)
         summary = run_summary(rc, history, result.preempted)
+        # the dtypes the run actually trained in, read from its state (a float64 config without x64 would show)
+        summary["master_dtypes"] = ",".join(sorted({str(x.dtype) for x in jax.tree.leaves(result.state.params)}))
         summary.update({k: v for k, v in result.final_eval.items() if not k.endswith("_tokens")})
         # the per-document check runs single-device rows of the full length (not under context parallelism)
         check_packing = not result.preempted and rc.parallel.context == 1

@@ -1,5 +1,8 @@
 """The Ling3 hybrid LM: embeddings -> [KDA | MLA] x (dense | MoE) layers -> final norm -> fp32 logits (+ MTP).
 
+Logits, routing and every statistic are fp32 whatever the compute dtype, float64 when it is float64 (dtypes
+`lingpack.precision.DTYPES`; float64 runs in JAX's x64 mode).
+
 Layer pattern (REFERENCE.md §3): layer i (0-indexed) is MLA iff (i + 1) % inhomogeneous_layer_cycle_interval
 == 0, else KDA; layers i < first_dense_layers use a dense SwiGLU (mlp_dim), the rest MoE. MTP layers are
 MLA. Every input is packed: `segment_ids` (1, 2, 3... per row, 0 = padding) keep documents apart in
@@ -36,14 +39,16 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from lingpack.kernels.attention.api import CHOICES as ATTENTION_CHOICES
+from lingpack.kernels.attention.api import FP32_KERNELS as ATTENTION_FP32_KERNELS
 from lingpack.kernels.kda import api as kda_api
 from lingpack.models.block import DecoderLayer, LayerSpec, parts
 from lingpack.models.kda import KDAConfig, KDAKernel
-from lingpack.models.layers import DEFAULT_INIT, RMSNorm, as_dtype, partitioned
+from lingpack.models.layers import DEFAULT_INIT, RMSNorm, partitioned
 from lingpack.models.mla import MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
 from lingpack.models.mtp import MTPConfig, MTPLayer, roll_and_mask_by_segment
 from lingpack.models.stack import LayerStack
+from lingpack.precision import as_dtype, at_least_fp32
 
 # What a remat'ed layer keeps for the backward pass (jax.checkpoint_policies); the rest is recomputed.
 REMAT_POLICIES = {
@@ -124,6 +129,13 @@ class Ling3Config:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"unknown remat_policy {self.remat_policy!r}; valid choices: {list(REMAT_POLICIES)}")
         as_dtype(self.dtype), as_dtype(self.param_dtype)
+        if "float64" in (self.dtype, self.param_dtype):
+            if self.kda_impl.startswith("pallas"):
+                raise ValueError(f"kda_impl={self.kda_impl!r} is a TPU kernel computing in fp32 (TPUs have no "
+                                 "float64); a float64 model needs kernel=chunked or kernel=reference")
+            if self.attention_impl in ATTENTION_FP32_KERNELS:
+                raise ValueError(f"attention_impl={self.attention_impl!r} is a Pallas kernel computing in fp32; a "
+                                 "float64 model needs model.attention_impl=dot_product, flash or auto")
 
     def layer_kinds(self) -> list[tuple[str, str]]:
         """(mixer, ffn) per main layer, e.g. [('kda', 'dense'), ('kda', 'moe'), ('kda', 'moe'), ('mla', 'moe')]."""
@@ -146,8 +158,8 @@ class Ling3Config:
 
 @struct.dataclass
 class Ling3Output:
-    logits_BTV: jax.Array          # fp32 [B, T, V]: position t predicts targets[t]
-    mtp_logits: list               # per MTP depth d, fp32 [B, T, V]: position t predicts targets[t + 1 + d]
+    logits_BTV: jax.Array          # fp32 (or float64) [B, T, V]: position t predicts targets[t]
+    mtp_logits: list               # per MTP depth d, like logits_BTV: position t predicts targets[t + 1 + d]
     moe_aux: dict                  # router_z_loss [L_moe], load_counts [L_moe, E], num_tokens [L_moe]
     hidden_BTD: jax.Array          # final hidden state before the final norm
 
@@ -185,11 +197,13 @@ class Ling3(nnx.Module):
         return located + [(m.block.mlp, ()) for m in self.mtp_layers if m.block.ffn == "moe"]
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
-        """Final norm, then fp32 logits (fp32 weights and product: softmax over a large vocab needs it)."""
-        h = self.norm(h_BTD).astype(jnp.float32)
+        """Final norm, then fp32 logits (fp32 weights and product: softmax over a large vocab needs it; float64
+        for a float64 model)."""
+        h = self.norm(h_BTD)
+        h = h.astype(at_least_fp32(h.dtype))
         if self.cfg.tie_embeddings:
-            return head_matmul(h, self.embed_tokens.embedding[...].astype(jnp.float32).T)
-        return head_matmul(h, self.lm_head[...].astype(jnp.float32))
+            return head_matmul(h, self.embed_tokens.embedding[...].astype(h.dtype).T)
+        return head_matmul(h, self.lm_head[...].astype(h.dtype))
 
     def __call__(self, inputs_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
                  positions_BT: jax.Array | None = None, *, input_embeddings_BTD: jax.Array | None = None) -> Ling3Output:

@@ -1,9 +1,9 @@
 """Ling / DeepSeek-V3 style mixture of experts with dropless dispatch.
 
-Routing (fp32): `scores = sigmoid(x @ router)`; experts are CHOSEN by `scores + expert_bias` (the
-auxiliary-loss-free balancing bias), optionally limited to the `topk_groups` best of `n_groups` groups
-(a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the unbiased
-scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
+Routing (fp32, float64 with a float64 model): `scores = sigmoid(x @ router)`; experts are CHOSEN by `scores +
+expert_bias` (the auxiliary-loss-free balancing bias), optionally limited to the `topk_groups` best of
+`n_groups` groups (a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the
+unbiased scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
 Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
 token is ever dropped: `jax.lax.ragged_dot` on TPU (XLA:TPU's grouped matmul), `tiled_grouped_matmul` on
 CPU and GPU, where XLA expands ragged_dot into a dense dot of every row against every expert (E times the
@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from lingpack import backend
 from lingpack.models.layers import DEFAULT_INIT, MLP, partitioned
 from lingpack.parallel.context import current, dividing_axes
+from lingpack.precision import at_least_fp32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +92,11 @@ def tiled_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: jax.A
 
 
 class ExpertBias(nnx.Variable):
-    """Auxiliary-loss-free routing bias: fp32, excluded from gradients and weight decay."""
+    """Auxiliary-loss-free routing bias: the router's dtype, excluded from gradients and weight decay."""
 
 
 def route(logits_NE: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """(top-k expert indices int32 [N, k], combine weights fp32 [N, k]) from fp32 router logits."""
+    """(top-k expert indices int32 [N, k], combine weights [N, k] in the logits' dtype) from router logits."""
     N, E = logits_NE.shape
     scores = jax.nn.sigmoid(logits_NE)
     choice = scores + bias_E  # the bias only changes WHICH experts are chosen, not their weights
@@ -117,9 +118,11 @@ class MoE(nnx.Module):
     def __init__(self, cfg: MoEConfig, emb_dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
         E, D, I = cfg.num_experts, emb_dim, cfg.expert_dim
-        # The router stays fp32: bf16 logits flip near-tied expert choices between steps.
-        self.router = nnx.Param(partitioned(DEFAULT_INIT, ("embed", "exp"))(rngs.params(), (D, E), jnp.float32))
-        self.expert_bias = ExpertBias(partitioned(nnx.initializers.zeros, ("exp",))(None, (E,), jnp.float32))
+        # Routing is fp32 whatever the compute dtype (bf16 logits flip near-tied expert choices between steps);
+        # float64 when the model computes in float64.
+        self.routing_dtype = at_least_fp32(dtype, param_dtype)
+        self.router = nnx.Param(partitioned(DEFAULT_INIT, ("embed", "exp"))(rngs.params(), (D, E), self.routing_dtype))
+        self.expert_bias = ExpertBias(partitioned(nnx.initializers.zeros, ("exp",))(None, (E,), self.routing_dtype))
         self.wi_gate = nnx.Param(partitioned(DEFAULT_INIT, ("exp", "embed", "mlp"))(rngs.params(), (E, D, I), param_dtype))
         self.wi_up = nnx.Param(partitioned(DEFAULT_INIT, ("exp", "embed", "mlp"))(rngs.params(), (E, D, I), param_dtype))
         self.wo = nnx.Param(partitioned(DEFAULT_INIT, ("exp", "mlp", "embed"))(rngs.params(), (E, I, D), param_dtype))
@@ -152,17 +155,17 @@ class MoE(nnx.Module):
         choice = self.cfg.grouped_matmul
         choice = GROUPED_MATMUL_AUTO[backend.current()] if choice == "auto" else choice
         grouped = tiled_grouped_matmul if choice == "tiled" else jax.lax.ragged_dot
-        mm = lambda a, w: grouped(a, w.astype(self.dtype), group_sizes,
-                                  preferred_element_type=jnp.float32)  # fp32 accumulation for bf16
+        wide = at_least_fp32(self.dtype)  # fp32 accumulation for bf16 (float64 for float64)
+        mm = lambda a, w: grouped(a, w.astype(self.dtype), group_sizes, preferred_element_type=wide)
         h = jax.nn.silu(mm(x_sorted, wi_gate)) * mm(x_sorted, wi_up)
         y_sorted = mm(h.astype(self.dtype), wo)
-        y_NKD = jnp.zeros((N * k, D), jnp.float32).at[order].set(y_sorted).reshape(N, k, D)
+        y_NKD = jnp.zeros((N * k, D), wide).at[order].set(y_sorted).reshape(N, k, D)
         return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK).astype(self.dtype)
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        logits_NE = x_ND.astype(jnp.float32) @ self.router[...]  # fp32 routing (see the router's comment)
+        logits_NE = x_ND.astype(self.routing_dtype) @ self.router[...]  # fp32 routing (see the router's comment)
         idx_NK, weights_NK = route(logits_NE, self.expert_bias[...], self.cfg)
         y_ND = self.experts(x_BTD, idx_NK.reshape(B, T, -1), weights_NK.reshape(B, T, -1)).reshape(B * T, D)
         if self.shared_experts is not None:
@@ -172,7 +175,7 @@ class MoE(nnx.Module):
         z_N = jax.nn.logsumexp(logits_NE, axis=-1) ** 2
         aux = {"router_z_loss": jnp.sum(jnp.where(real_N, z_N, 0.0)),
                "load_counts": jax.lax.stop_gradient(load_E),
-               "num_tokens": jnp.sum(real_N).astype(jnp.float32),
+               "num_tokens": jnp.sum(real_N).astype(logits_NE.dtype),
                # the routing trace (parity/routing.py); unused outputs cost nothing under jit
                "expert_ids": idx_NK, "router_logits": jax.lax.stop_gradient(logits_NE),
                "expert_bias": self.expert_bias[...]}
@@ -188,10 +191,11 @@ def update_expert_bias(model, load_counts, rate: float) -> None:
     """
     layers = model.moe_layers() if hasattr(model, "moe_layers") else [model]
     layers = [entry if isinstance(entry, tuple) else (entry, ()) for entry in layers]
-    load_counts = jnp.asarray(load_counts, jnp.float32).reshape(len(layers), -1)
+    load_counts = jnp.asarray(load_counts).reshape(len(layers), -1)  # counts: exact in any float dtype
     for (moe, index), load_E in zip(layers, load_counts):
         bias_E = moe.expert_bias[...][index]
         if load_E.shape != bias_E.shape:
             raise ValueError(f"load_counts rows must have {bias_E.shape[0]} experts; got {load_E.shape}")
+        load_E = load_E.astype(bias_E.dtype)
         bias_E = bias_E + rate * jnp.sign(jnp.mean(load_E) - load_E)  # underloaded experts rise
         moe.expert_bias[...] = moe.expert_bias[...].at[index].set(bias_E - jnp.mean(bias_E))

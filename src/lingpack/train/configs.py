@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from lingpack.precision import DTYPES
+
 LOSS_MODES = ("megatron", "per_token")
 SCHEDULES = ("cosine", "linear", "constant")
-DTYPES = ("float32", "bfloat16")
 NAN_POLICIES = ("halt", "skip")
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 CONTEXT_STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
@@ -91,6 +92,7 @@ class OptimConfig:
     decay_steps: step at which the decay reaches min_lr (Megatron's lr_decay_iters, warmup included);
         None = the training length. master_dtype: dtype of the stored (master) parameters and optimizer
         moments; the forward casts to the model's own parameter dtypes (bf16 compute with fp32 master).
+        float64 (with model.dtype float64) runs in JAX's x64 mode (lingpack.precision).
     clip_grad_norm: 0 disables clipping.
     """
 

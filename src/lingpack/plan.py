@@ -186,8 +186,8 @@ def table(result: dict) -> str:
     f = r["step_flops"]
     lines += [f"step FLOPs per device: analytic {f['analytic']:.3e} | XLA cost analysis {f['xla_cost_analysis']:.3e} "
               f"(loop bodies once) | HLO matmuls {f['hlo_dots']:.3e} (loop trip counts in)"]
-    lines += ["collectives per device per step: " + (", ".join(f"{k} {gib(v)}" for k, v in r["collective_bytes"].items())
-                                                      or "none")]
+    moved = {k: v for k, v in r["collective_bytes"].items() if v}
+    lines += ["collectives per device per step: " + (", ".join(f"{k} {gib(v)}" for k, v in moved.items()) or "none")]
     roof = b["roofline"]
     lines += [f"roofline: compute {roof['compute_s'] * 1e3:.1f} ms, HBM {roof['memory_s'] * 1e3:.1f} ms, collectives "
               f"{roof['collective_s'] * 1e3:.1f} ms -> est. step {r['est_step_s'] * 1e3:.1f} ms, MFU {r['mfu_at_est']:.1%}"]

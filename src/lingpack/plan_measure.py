@@ -192,7 +192,7 @@ def measure(rc, parallel, chip, devices, *, layers: int | None = None, export: b
         "per_device_bytes": int(peak),
         "step_flops": {"analytic": flops_lib.flops_per_token(model, T) * rows * T / n,
                        "xla_cost_analysis": metrics["xla_flops"], "hlo_dots": metrics["hlo_dots"]},
-        "collective_bytes": {k: v["bytes"] for k, v in metrics["collectives"].items() if v["count"]},
+        "collective_bytes": {k: v["bytes"] for k, v in metrics["collectives"].items()},
         "mesh": mesh_name(parallel, n), "parallel": dataclasses.asdict(parallel) | {"logical_axis_rules": None},
         "devices": n,
         "config": {"model": describe(model),
@@ -223,31 +223,36 @@ def assess(result: dict, chip) -> dict:
 
 
 def candidate_meshes(rc, devices: int, limit: int) -> list:
-    """Up to `limit` other meshes of `devices` worth compiling, most promising first: no tensor or context split
-    unless needed, experts spread as far as they divide, the rest FSDP (data parallel where FSDP cannot go)."""
-    from lingpack.train.configs import ParallelConfig
+    """Up to `limit` meshes next to the configured one: a factor of 2 moved from one axis to another, valid for
+    the model and batch; tensor and data splits last, context only for rows of 32K tokens or more."""
+    from lingpack.train.configs import MESH_AXES
+    from lingpack.train.sharding import mesh_shape
     model, T = rc.model, rc.data.seq_length
     micro_rows = rc.data.global_batch_size // rc.train.micro_batches
-    heads = math.gcd(model.kda.num_heads, model.mla.num_heads)
-    divisors = lambda x: [d for d in range(1, x + 1) if x % d == 0]
-    contexts = [rc.parallel.context] if rc.parallel.context > 1 else [1]
-    if T >= 32768:
-        contexts = sorted(set(contexts) | {c for c in (2, 4, 8, 16) if devices % c == 0})
-    found = []
-    for context in contexts:
-        for tensor in (1, 2, 4):
-            for expert in sorted(divisors(math.gcd(devices, model.moe.num_experts)), reverse=True):
-                rest = devices // (context * tensor * expert) if devices % (context * tensor * expert) == 0 else 0
-                if not rest or heads % tensor:
-                    continue
-                for fsdp in sorted(divisors(rest), reverse=True):
-                    data = rest // fsdp
-                    if micro_rows % (data * fsdp * expert):
-                        continue
-                    found.append(ParallelConfig(data=data, fsdp=fsdp, tensor=tensor, expert=expert, context=context,
-                                                context_strategy=rc.parallel.context_strategy,
-                                                load_balance=rc.parallel.load_balance))
-                    break
-    configured = mesh_name(rc.parallel, devices)
-    unique = {mesh_name(p, devices): p for p in found if mesh_name(p, devices) != configured}
-    return list(unique.values())[:limit]
+    heads = math.gcd(getattr(getattr(model, "kda", None), "num_heads", 1), getattr(getattr(model, "mla", None),
+                                                                                     "num_heads", 1))
+    experts = getattr(getattr(model, "moe", None), "num_experts", 1)
+    block = getattr(model, "attention_block_size", 1)
+    start = mesh_shape(rc.parallel, devices)
+    movable = [a for a in MESH_AXES if a != "context" or T >= 32768 or start["context"] > 1]
+
+    def valid(sizes) -> bool:
+        cp = sizes["context"]
+        return (heads % sizes["tensor"] == 0 and experts % sizes["expert"] == 0
+                and micro_rows % (sizes["data"] * sizes["fsdp"] * sizes["expert"]) == 0
+                and T % ((2 if rc.parallel.load_balance else 1) * cp * (block if cp > 1 else 1)) == 0
+                and (rc.parallel.context_strategy != "usp" or cp % rc.parallel.context_ulysses == 0))
+
+    found = {}
+    for source in movable:
+        for target in movable:
+            sizes = dict(start)
+            if source == target or sizes[source] % 2:
+                continue
+            sizes[source] //= 2
+            sizes[target] *= 2
+            if valid(sizes) and sizes != start:
+                found[tuple(sizes.values())] = sizes
+    rank = lambda sz: (sz["tensor"], sz["data"], sz["context"] != start["context"], -sz["expert"])
+    chosen = sorted(found.values(), key=rank)[:limit]
+    return [dataclasses.replace(rc.parallel, **sz) for sz in chosen]

@@ -105,6 +105,19 @@ def sources(hlo: str) -> dict[str, str]:
             for frame, loc in frames.items() if loc in locations}
 
 
+def _branches(op: Instruction, where: dict, branch_weights) -> tuple[list[str], list[float]]:
+    """A conditional's branch computations in index order (a predicate's: false, true) and their weights."""
+    listed = re.search(r"branch_computations=\{([^}]*)\}", op.line)
+    if listed:
+        branches = re.findall(r"%?([\w.\-]+)", listed.group(1))
+    else:
+        named = dict(re.findall(r"(true|false)_computation=%?([\w.\-]+)", op.line))
+        branches = [named[k] for k in ("false", "true") if k in named]
+    frame = re.search(r"stack_frame_id=(\d+)", op.line)
+    weights = branch_weights(op, where.get(frame.group(1)) if frame else None) if branch_weights else None
+    return branches, list(weights) if weights else [1.0] * len(branches)
+
+
 def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
     """(every instruction the program runs, with its execution count, loops whose trip count is unknown).
 
@@ -126,14 +139,10 @@ def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
                 body = re.search(r"body=%?([\w.\-]+)", op.line).group(1)
                 visit(body, times * int(trip.group(1) if trip else 1), fused)
                 continue
-            for key, callee in re.findall(r"(to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)",
-                                          op.line):
+            for key, callee in re.findall(r"(to_apply|calls)=%?([\w.\-]+)", op.line):
                 visit(callee, times, fused or key == "to_apply" or op.opcode == "fusion")
-            for listed in re.findall(r"branch_computations=\{([^}]*)\}", op.line):
-                branches = re.findall(r"%?([\w.\-]+)", listed)
-                frame = re.search(r"stack_frame_id=(\d+)", op.line)
-                weights = branch_weights(op, where.get(frame.group(1)) if frame else None) if branch_weights else None
-                for callee, weight in zip(branches, weights or [1] * len(branches)):
+            if op.opcode == "conditional":
+                for callee, weight in zip(*_branches(op, where, branch_weights)):
                     visit(callee, times * weight, fused)
 
     if entry is not None:

@@ -108,7 +108,12 @@ def table(res: dict) -> str:
         for chip in CHIPS:
             best = recommended(res, scenario, chip)
             if best is None:
-                lines.append(f"| {title[scenario]} | {DEVICES} x {chip} | none fits | - | - | - | - |")
+                plans = [judged(r, chip) for k, r in res.items() if k.startswith(f"{scenario}/") and "error" not in r]
+                least = min(plans, key=lambda p: p["per_device_bytes"], default=None)
+                if least is None:
+                    continue
+                lines.append(f"| {title[scenario]} | {DEVICES} x {chip} | none fits (least memory: {least['mesh']}) | "
+                             f"{gib(least['per_device_bytes'])} | {gib(least['hbm_bytes'])} | - | - |")
                 continue
             lines.append(f"| {title[scenario]} | {DEVICES} x {chip} | {best['mesh']} | {gib(best['per_device_bytes'])} "
                          f"| {gib(best['hbm_bytes'])} | {best['est_step_s'] * 1e3:.0f} ms | {best['mfu_at_est']:.1%} |")

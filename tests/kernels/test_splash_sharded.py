@@ -49,7 +49,7 @@ def test_fwd_and_grad_export_for_tpu_on_data_x_tensor_mesh():
 
     for f, kernels in ((forward, FWD), (jax.grad(loss, argnums=(0, 1, 2)), GRAD)):
         module, traced = export_for_tpu(f, q, q, v, seg)
-        assert hlo.mosaic_calls(module) == kernels and traced == {"mosaic": kernels, "interpret": {}}
+        assert hlo.mosaic_calls(module) == kernels and traced == {"mosaic": kernels, "triton": {}, "interpret": {}}
         assert 'manual_axes={"data", "tensor"}' in module and "tensor<1x1024x2x192xbf16>" in module
 
     # the kernel without the mapping: XLA cannot partition its Mosaic call
@@ -67,7 +67,7 @@ def test_the_mosaic_count_sees_interpret_mode():
     seg = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=NamedSharding(mesh, P("data", None)))
     module, traced = export_for_tpu(
         lambda q, seg: attention(q, q, q, segment_ids_BT=seg, impl="splash", interpret=True), q, seg)
-    assert hlo.mosaic_calls(module) == {} and traced == {"mosaic": {}, "interpret": FWD}
+    assert hlo.mosaic_calls(module) == {} and traced == {"mosaic": {}, "triton": {}, "interpret": FWD}
 
 
 def test_interpret_numerics_on_sharded_mesh_equal_single_device():

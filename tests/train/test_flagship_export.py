@@ -66,7 +66,7 @@ def test_flagship_step_exports_for_tpu_on_fsdp_tensor_expert():
     """The mesh the unwrapped splash failed on: fsdp=2 x tensor=2 x expert=2, kernel=pallas_segment, 2
     micro-batches of 4 rows; every kernel sees 1 row and 8 of the 16 heads (splash: a mask for 8 heads)."""
     model, module, kernels = export_step("pallas_segment", num_layers=9, fsdp=2, tensor=2, expert=2)
-    assert model.attention_impl == "splash" and model.scanned_layers() == range(1, 9)
+    assert model.attention_impl == "auto" and model.scanned_layers() == range(1, 9)   # auto: splash on TPU
     check_kernels(module, kernels, "pallas_segment")
     assert set(re.findall(r"manual_axes=\{[^}]*\}", module)) >= {ALL_AXES}
     mla = model.mla

@@ -74,6 +74,10 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     n_kda = kinds.count("kda")
     mla = cfg.mla
     attention = n_mla * 3 * 2 * 2 * mla.num_heads * (mla.qk_head_dim + mla.v_head_dim) / 2 * seq_len / 2
-    K = cfg.kda.head_dim
-    kda = n_kda * 3 * 2 * cfg.kda.num_heads * (2 * K * K + cfg.kda_chunk_size * 2 * K)
+    kda = n_kda * kda_flops_per_token(cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda_chunk_size)
     return matmul + attention + kda
+
+
+def kda_flops_per_token(heads: int, head_dim: int, chunk_size: int) -> float:
+    """Training FLOPs per token of one KDA kernel call (the module docstring's KDA term)."""
+    return 3 * 2 * heads * (2 * head_dim * head_dim + chunk_size * 2 * head_dim)

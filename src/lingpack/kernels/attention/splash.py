@@ -62,7 +62,8 @@ splash_on_mesh = shard.over_mesh(splash_local, args=(TILE, TILE, TILE), kwargs={
 
 def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,
                      block: int = 128, interpret: bool | None = None):
-    interpret = backend.pallas_interpret(interpret, kernel="splash attention",
-                                         alternative="model.attention_impl=flash")
+    interpret = backend.pallas_interpret(
+        interpret, kernel="splash attention", alternative="model.attention_impl=auto (pallas_triton)",
+        emulate="pass interpret=True to lingpack.kernels.attention.api.attention to emulate it")
     return splash_on_mesh(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT=segment_ids_BT, scale=float(scale),
                           causal=bool(causal), block=int(block), interpret=bool(interpret))

@@ -140,7 +140,7 @@ def test_cli_plans_a_small_model_and_writes_the_json(tmp_path):
 def test_a_tpu_only_kernel_planned_for_a_gpu_is_the_one_line_error():
     overrides = ["model.attention_impl=splash", "model.num_layers=1", "model.inhomogeneous_layer_cycle_interval=1"]
     rc = plan.run_config(plan.compose(overrides, plan.find_conf_dir(str(ROOT / "conf"))))
-    with pytest.raises(ConfigError, match="splash attention is a Pallas TPU.*model.attention_impl=flash on GPU"):
+    with pytest.raises(ConfigError, match="splash attention is a Pallas TPU.*model.attention_impl=auto"):
         plan.plan(rc, plan.PlanConfig(devices=1, chip="h100"), log=lambda m: None)
 
 

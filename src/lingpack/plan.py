@@ -193,7 +193,9 @@ def table(result: dict) -> str:
               f"{roof['collective_s'] * 1e3:.1f} ms -> est. step {r['est_step_s'] * 1e3:.1f} ms, MFU {r['mfu_at_est']:.1%}"]
     export = r.get("export")
     if export:
-        lines += [f"export for {export['platform']}: Mosaic kernels {export['mosaic_kernels'] or 'none'}, "
+        calls = export["mosaic_kernels"] if export["platform"] == "tpu" else export.get("triton_kernels", {})
+        lines += [f"export for {export['platform']}: " + ("lowers" if export["lowers"] else f"FAILS ({export['error']})")
+                  + f"; {'Mosaic' if export['platform'] == 'tpu' else 'Triton'} kernels {calls or 'none'}, "
                   f"interpret-mode kernels {export['interpret_kernels'] or 'none'}"]
     if r.get("candidates"):
         lines += ["", "| mesh | per device | fits | est. step | MFU |", "|---|---|---|---|---|"]

@@ -18,7 +18,7 @@ import time
 from lingpack.errors import ConfigError
 
 KDA_TWINS = {"pallas_segment": "chunked", "pallas_varlen": "chunked_aligned"}   # same layout, XLA ops
-ATTENTION_TWINS = {"splash": "flash"}
+ATTENTION_TWINS = {"splash": "flash", "pallas_triton": "flash"}
 LAYER_STACK = "lingpack/models/stack.py"
 
 
@@ -29,13 +29,19 @@ def mesh_name(parallel, devices: int) -> str:
     return name + (f" ({parallel.context_strategy})" if sizes["context"] > 1 else "")
 
 
-def twin(model_cfg):
-    """The model with each Pallas kernel replaced by its XLA twin (what XLA:CPU can compile)."""
+def platform_attention(model_cfg, platform: str) -> str:
+    """The attention kernel the model runs on `platform` (`auto` resolved as kernels/attention/api.py does)."""
+    from lingpack.kernels.attention.api import AUTO
+    return AUTO[platform] if model_cfg.attention_impl == "auto" else model_cfg.attention_impl
+
+
+def twin(model_cfg, platform: str):
+    """The model as it runs on `platform`, each Pallas kernel replaced by its XLA twin (what XLA:CPU compiles)."""
     if not hasattr(model_cfg, "kda_impl"):   # not a Ling3 config: compiled as it is
         return model_cfg
+    attention = platform_attention(model_cfg, platform)
     return dataclasses.replace(model_cfg, kda_impl=KDA_TWINS.get(model_cfg.kda_impl, model_cfg.kda_impl),
-                               attention_impl=ATTENTION_TWINS.get(model_cfg.attention_impl, model_cfg.attention_impl),
-                               kda_interpret=None)
+                               attention_impl=ATTENTION_TWINS.get(attention, attention), kda_interpret=None)
 
 
 def branch_weights(model_cfg):
@@ -142,20 +148,22 @@ def measure(rc, parallel, chip, devices, *, layers: int | None = None, export: b
         try:
             module, kernels = program.export(chip.platform, with_kernels=True)
             exported = {"platform": chip.platform, "lowers": True, "mosaic_kernels": kernels["mosaic"],
-                        "interpret_kernels": kernels["interpret"], "error": None}
+                        "triton_kernels": kernels.get("triton", {}), "interpret_kernels": kernels["interpret"],
+                        "error": None}
         except ConfigError:
             raise
         except Exception as err:   # a lowering failure is the finding: report it, measure the rest
-            exported = {"platform": chip.platform, "lowers": False, "mosaic_kernels": {}, "interpret_kernels": {},
-                        "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+            exported = {"platform": chip.platform, "lowers": False, "mosaic_kernels": {}, "triton_kernels": {},
+                        "interpret_kernels": {}, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
             notes.append(f"the step does NOT lower for {chip.platform}: {exported['error']}")
         exported["export_cpu_s"] = time.process_time() - start
         log(f"plan: exported for {chip.platform} in {exported['export_cpu_s']:.0f} s CPU")
     state = state_bytes(program)
-    compiled_model = twin(model)
+    compiled_model = twin(model, chip.platform)
     if compiled_model != model:
         notes.append(f"compiled with XLA twins of the Pallas kernels (KDA {model.kda_impl} -> {compiled_model.kda_impl}, "
-                     f"attention {model.attention_impl} -> {compiled_model.attention_impl}): XLA:CPU compiles no Mosaic call")
+                     f"attention {platform_attention(model, chip.platform)} -> {compiled_model.attention_impl}): "
+                     "XLA:CPU compiles no Pallas TPU or GPU call")
     notes.append("memory is XLA:CPU's buffer assignment of the partitioned step; XLA:TPU/GPU schedule and fuse "
                  "differently; the state bytes are exact")
     full_depth = getattr(model, "num_layers", None)
@@ -197,7 +205,8 @@ def measure(rc, parallel, chip, devices, *, layers: int | None = None, export: b
         "devices": n,
         "config": {"model": describe(model),
                    "seq_length": T, "global_batch_size": rows, "micro_batches": rc.train.micro_batches,
-                   "kda_impl": getattr(model, "kda_impl", None), "attention_impl": getattr(model, "attention_impl", None)},
+                   "kda_impl": getattr(model, "kda_impl", None),
+                   "attention_impl": platform_attention(model, chip.platform) if hasattr(model, "attention_impl") else None},
         "breakdown": {"state_bytes": {k: state[k] for k in ("params", "optimizer", "rest")},
                       "gradient_bytes": state["gradients"], "batch_bytes": state["batch"],
                       "compiled": dict(mem, peak=peak), "collectives": metrics["collectives"],

@@ -15,8 +15,9 @@ Per mesh (`lingpack.plan_measure` does the measuring):
                lowers there, and its Pallas kernels are Mosaic calls, counted by name. A config that
                cannot run on that platform (a TPU-only kernel on a GPU) stops here with its ConfigError.
   2. compile   the same program for N fake CPU devices with each Pallas kernel replaced by its XLA twin
-               (XLA:CPU compiles no Mosaic call): KDA pallas_segment -> chunked, pallas_varlen ->
-               chunked_aligned; splash -> flash. Mesh, shardings, loss, optimizer: the run's.
+               (XLA:CPU compiles no Pallas TPU or GPU call): KDA pallas_segment -> chunked, pallas_varlen
+               -> chunked_aligned; attention (`auto` resolved for the chip) -> flash. Mesh, shardings,
+               loss, optimizer, micro-batches: the run's.
   3. report    per device: the train state's exact bytes (its shardings), XLA:CPU's memory_analysis() of
                the compiled step, `fits` against the chip's HBM; FLOPs (train/flops.py's analytic count,
                XLA's cost analysis, the matmul FLOPs the HLO executes); collectives by kind (loop trip
@@ -113,10 +114,10 @@ def run_config(plain: dict):
     """`lingpack.config.build` of the composed config; the data is not opened: paths are dropped when the
     vocabulary is given (a null vocabulary still follows the data's tokenizer record)."""
     from lingpack import config as config_lib
+    from lingpack.train import optim as optim_lib
     data = dict(plain.get("data") or {})
     if data.get("vocab_size") is not None:
         data["paths"] = []
-    from lingpack.train import optim as optim_lib
     rc = config_lib.build(dict(plain, data=data), run_dir=os.devnull)
     return dataclasses.replace(rc, optim=optim_lib.resolve(rc.optim, rc.train.steps))   # as train/loop.py does
 

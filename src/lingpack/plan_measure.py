@@ -53,6 +53,7 @@ def branch_weights(model_cfg):
     if not mixers or len(set(mixers)) < 2:
         return None
     share = mixers.count("mla") / len(mixers)
+    # lax.cond(is_mla, mla, kda): branch 0 (false) is KDA, branch 1 is MLA
     return lambda op, source: [1 - share, share] if source and LAYER_STACK in source else None
 
 
@@ -75,7 +76,7 @@ def state_bytes(program) -> dict:
 
 def traffic(op) -> float:
     """Bytes one device sends for one run of collective `op` (ring algorithms; see the module docstring)."""
-    n = op.group_size or 2
+    n = op.group_size or 2   # replica groups not stated (collective-permute: its factor ignores n)
     factor = {"all-gather": (n - 1) / n, "all-to-all": (n - 1) / n, "ragged-all-to-all": (n - 1) / n,
               "reduce-scatter": n - 1, "all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}[op.kind]
     return op.bytes * factor

@@ -93,6 +93,17 @@ def test_fits_flips_when_hbm_is_too_small():
     assert fast["est_step_s"] < slow["est_step_s"]
 
 
+def test_search_plans_the_neighbouring_meshes_and_recommends_the_cheapest_that_fits():
+    cfg = BigramConfig()
+    rc = types.SimpleNamespace(model=cfg, loss=LossConfig(), optim=OptimConfig(decay_steps=10),
+                               train=TrainConfig(micro_batches=2), parallel=ParallelConfig(data=1, fsdp=8),
+                               data=types.SimpleNamespace(seq_length=128, global_batch_size=16))
+    out = plan.plan(rc, plan.PlanConfig(devices=8, search=True, search_max=2, export=False), log=lambda m: None)
+    assert out["mesh"] == "fsdp=8" and [c["mesh"] for c in out["candidates"]] == ["fsdp=8", "data=2 x fsdp=4"]
+    best = min((c for c in out["candidates"] if c["fits"]), key=lambda c: c["est_step_s"])
+    assert out["recommended"] == best["mesh"]
+
+
 def test_collective_bytes_of_a_known_sharded_matmul():
     """x [16, 64] @ w [64, 32] with the contraction split over 8 devices: one all-reduce of each device's [16, 32]
     partial product; the ring sends 2 x (8 - 1) / 8 of it per device."""

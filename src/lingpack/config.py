@@ -292,8 +292,12 @@ def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tenso
         raise ConfigError(f"model: {err}") from err
 
 
-def build(cfg: dict, run_dir: str) -> RunConfig:
-    """A resolved plain-dict config (OmegaConf.to_container(cfg, resolve=True)) -> RunConfig."""
+def build(cfg: dict, run_dir: str, *, open_data: bool = True) -> RunConfig:
+    """A resolved plain-dict config (OmegaConf.to_container(cfg, resolve=True)) -> RunConfig.
+
+    `open_data=False` skips the check of the data files against the run's sample counts (data/budget.py),
+    for tools that study the program without its data (the planner, exports).
+    """
     known = {"name", "seed", "model", "kernel", "data", "loss", "optim", "parallel", "checkpoint", "train",
              "logger", "parity", "schedule", "distributed", "hydra"}
     unknown = sorted(set(cfg) - known)
@@ -313,7 +317,7 @@ def build(cfg: dict, run_dir: str) -> RunConfig:
     loss = make(LossConfig, cfg.get("loss"), "loss")
     schedule = make(ContextSchedule, cfg.get("schedule"), "schedule")
     _check_batch_shape(data, train, loss, parallel, schedule)
-    train, notes = _check_data_budget(data, train, schedule)
+    train, notes = _check_data_budget(data, train, schedule) if open_data else (train, ())
     optim_values = dict(cfg.get("optim") or {})
     return RunConfig(
         name=str(cfg.get("name", "run")), seed=int(cfg.get("seed", 0)), model=model, kernel=kernel, data=data,

@@ -111,14 +111,14 @@ def compose(overrides: list[str], conf_dir: Path) -> dict:
 
 
 def run_config(plain: dict):
-    """`lingpack.config.build` of the composed config; the data is not opened: paths are dropped when the
-    vocabulary is given (a null vocabulary still follows the data's tokenizer record)."""
+    """`lingpack.config.build` of the composed config; the data files are not opened (a null vocabulary
+    still follows the data's tokenizer record)."""
     from lingpack import config as config_lib
     from lingpack.train import optim as optim_lib
     data = dict(plain.get("data") or {})
-    if data.get("vocab_size") is not None:
+    if data.get("vocab_size") is not None:  # nothing to read from the data: no bundled corpus tokenized
         data["paths"] = []
-    rc = config_lib.build(dict(plain, data=data), run_dir=os.devnull)
+    rc = config_lib.build(dict(plain, data=data), run_dir=os.devnull, open_data=False)
     return dataclasses.replace(rc, optim=optim_lib.resolve(rc.optim, rc.train.steps))   # as train/loop.py does
 
 

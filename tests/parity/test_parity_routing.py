@@ -149,7 +149,7 @@ def test_routing_locked_parity_in_every_loss_mode(tmp_path, loss):
     result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
                         routing_callback=recorder)
     summary = run_parity(rc, result.history, routing=recorder.steps)
-    # measured lm <= 1.6e-7, MTP <= 1.3e-7 (per_token mode's MTP was 2.3e-5 while the reference reported
-    # Megatron's per-group MTP mean there: float64 showed lm at 2.9e-16 beside it, a reporting difference)
+    # measured lm <= 1.6e-7, MTP <= 1.3e-7; per_token mode with the reference reporting Megatron's per-group
+    # MTP mean (megatron mode's definition): MTP 2.3e-5 apart (float64: 2.9e-5 beside lm at 2.9e-16)
     assert summary["parity_max_rel"] <= 1e-6, summary
     assert summary["mtp_parity_max_rel"] <= 1e-6, summary

@@ -229,7 +229,7 @@ class MegatronReferenceTrainer:
         if self.model.mtp:  # mean over depths of each depth's loss as the loss mode defines it (train/loss.py)
             sums_RD = np.array([[float(s.detach()) for s, _ in r[6]] for r in results])
             counts_RD = np.array([[float(c) for _, c in r[6]] for r in results])
-            if self.loss_cfg.mode == "megatron":   # Megatron's MTP tracker: per-(micro-batch, rank) token means, averaged
+            if self.loss_cfg.mode == "megatron":   # Megatron's MTP tracker: per-(micro-batch, rank) means, averaged
                 per_depth = np.mean(sums_RD / np.maximum(counts_RD, 1.0), axis=0)
             else:   # per_token: the step's token mean, as its objective
                 per_depth = sums_RD.sum(axis=0) / np.maximum(counts_RD.sum(axis=0), 1.0)

@@ -31,3 +31,22 @@ def test_run_trains_on_whole_document_rows(tmp_path):
     samples = next(make_iterator(dataclasses.replace(rc.data, packing="samples"), split="train", process_index=0,
                                  process_count=1))
     assert not np.array_equal(samples["inputs"], rows[0]["inputs"])
+
+
+@pytest.mark.slow  # four stage runs of the tiny Ling3 (~2 min of CPU)
+def test_context_parallel_schedule_on_whole_documents_equals_one_device(tmp_path):
+    """A context schedule (256 then 512 tokens) on whole-document rows: context=2 (zigzag) trains the same
+    losses on the same rows as one device."""
+    stages = "+schedule.stages=[{seq_length: 256, steps: 2}, {seq_length: 512, steps: 2, rope_theta: 50000.0}]"
+    common = [*TINY, "train.steps=4", "checkpoint.enabled=true", "checkpoint.async_save=false", stages,
+              "parallel.data=1", "parallel.cpu_devices=null", "model.num_layers=4", f"data.cache_dir={tmp_path}"]
+    losses = {}
+    for name, overrides in [("one", []), ("cp2", ["parallel=context", "parallel.context=2"])]:
+        run_dir = str(tmp_path / name)
+        plain = config_lib.compose([*common, *overrides, f"checkpoint.directory={run_dir}/ckpt"], run_dir=run_dir)
+        summary = experiment.run(plain, run_dir)
+        assert summary["status"] == "completed" and summary["last_step"] == 4
+        losses[name] = [(r["step"], r["loss_tokens"], r["lm_loss"])
+                        for r in map(json.loads, open(f"{run_dir}/metrics.jsonl"))]
+    assert [r[:2] for r in losses["cp2"]] == [r[:2] for r in losses["one"]] and len(losses["one"]) == 4
+    np.testing.assert_allclose([r[2] for r in losses["cp2"]], [r[2] for r in losses["one"]], rtol=1e-5)

@@ -83,36 +83,50 @@ def _loss_parity_problems() -> list[str]:
     return problems
 
 
-def problems(readme: str) -> list[str]:
-    found = {m.group(2): m.group(3) for m in BLOCK.finditer(readme)}
-    out = [f"README.md has a results block {name!r} with no artifact" for name in sorted(set(found) - set(ARTIFACTS))]
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+
+
+def problems(pages: dict[str, str]) -> list[str]:
+    """Every results block of every page equals its artifact; every artifact appears on some page."""
+    out, seen = [], set()
+    for page, text in pages.items():
+        for m in BLOCK.finditer(text):
+            name, body = m.group(2), m.group(3)
+            seen.add(name)
+            if name not in ARTIFACTS:
+                out.append(f"{page} has a results block {name!r} with no artifact")
+                continue
+            artifact, script = ARTIFACTS[name]
+            if (ROOT / artifact).exists() and body != (ROOT / artifact).read_text():
+                out.append(f"{page}'s {name!r} block differs from {artifact} (written by {script});"
+                           " python experiments/check_results.py --write copies it in")
     for name, (artifact, script) in ARTIFACTS.items():
-        path = ROOT / artifact
-        if not path.exists():
+        if not (ROOT / artifact).exists():
             out.append(f"{artifact} is missing: run {script}")
-        elif name not in found:
-            out.append(f"README.md lacks the block <!-- results: {name} --> ... <!-- /results --> for {artifact}")
-        elif found[name] != path.read_text():
-            out.append(f"README.md's {name!r} block differs from {artifact} (written by {script});"
-                       " python experiments/check_results.py --write copies it in")
+        elif name not in seen:
+            out.append(f"no page has the block <!-- results: {name} --> ... <!-- /results --> for {artifact}")
     return out + _bench_problems() + _pallas_problems() + _loss_parity_problems()
 
 
-def write(readme: str) -> str:
-    return BLOCK.sub(lambda m: m.group(1) + (ROOT / ARTIFACTS[m.group(2)][0]).read_text() + m.group(4), readme)
+def read_pages() -> dict[str, str]:
+    return {page: (ROOT / page).read_text() for page in DOCS}
+
+
+def write(text: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + (ROOT / ARTIFACTS[m.group(2)][0]).read_text() + m.group(4), text)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="copy every artifact into its README block")
     args = parser.parse_args()
-    readme_path = ROOT / "README.md"
     if args.write:
-        readme_path.write_text(write(readme_path.read_text()))
-    found = problems(readme_path.read_text())
+        for page in DOCS:
+            (ROOT / page).write_text(write((ROOT / page).read_text()))
+    found = problems(read_pages())
     for line in found:
         print("FAIL:", line)
-    print("README results match their artifacts" if not found else f"{len(found)} problem(s)")
+    print("every results block matches its artifact" if not found else f"{len(found)} problem(s)")
     return 1 if found else 0
 
 

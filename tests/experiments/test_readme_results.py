@@ -1,4 +1,4 @@
-"""README results tables are the artifacts their committed scripts wrote (what `make check-results` runs)."""
+"""Results tables in README.md and docs/ are the artifacts their committed scripts wrote (`make check-results`)."""
 import importlib.util
 from pathlib import Path
 
@@ -12,19 +12,21 @@ def _check_results():
     return module
 
 
-def test_readme_tables_match_their_artifacts():
+def test_results_tables_match_their_artifacts():
     check = _check_results()
-    readme = (ROOT / "README.md").read_text()
-    assert check.problems(readme) == []
-    assert set(check.BLOCK.findall(readme)) and {m[1] for m in check.BLOCK.findall(readme)} == set(check.ARTIFACTS)
+    pages = check.read_pages()
+    assert check.problems(pages) == []
+    assert {m[1] for text in pages.values() for m in check.BLOCK.findall(text)} == set(check.ARTIFACTS)
 
 
 def test_the_check_can_fail():
     check = _check_results()
-    readme = (ROOT / "README.md").read_text()
+    pages = check.read_pages()
+    page = "docs/benchmarks.md"
     tampered = check.BLOCK.sub(lambda m: m.group(1) + m.group(3).replace("|", "| ", 1) + m.group(4)
-                               if m.group(2) == "make_run" else m.group(0), readme)   # one changed cell
-    assert tampered != readme
-    assert any("'make_run' block differs" in p for p in check.problems(tampered))
-    dropped = check.BLOCK.sub(lambda m: "" if m.group(2) == "loss_parity" else m.group(0), readme)
-    assert any("lacks the block <!-- results: loss_parity -->" in p for p in check.problems(dropped))
+                               if m.group(2) == "make_run" else m.group(0), pages[page])   # one changed cell
+    assert tampered != pages[page]
+    assert any(f"{page}'s 'make_run' block differs" in p for p in check.problems({**pages, page: tampered}))
+    dropped = {name: check.BLOCK.sub(lambda m: "" if m.group(2) == "loss_parity" else m.group(0), text)
+               for name, text in pages.items()}
+    assert any("no page has the block <!-- results: loss_parity -->" in p for p in check.problems(dropped))

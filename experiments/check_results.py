@@ -29,8 +29,6 @@ ARTIFACTS = {   # README block -> (artifact, the committed script that writes it
     "pallas_cost": ("experiments/pallas_cost/readme.md", "experiments/pallas_cost/cost_model.py"),
     "context_parallel_model": ("experiments/context_parallel/results/model_memory.md",
                                "experiments/context_parallel/model_memory.py"),
-    "kda_cp_fold_vs_scan": ("experiments/context_parallel/results/fold_vs_scan.md",
-                            "experiments/context_parallel/fold_vs_scan.py"),
     "context_schedule": ("experiments/context_parallel/results/context_schedule.md",
                          "experiments/context_parallel/context_schedule.py"),
 }

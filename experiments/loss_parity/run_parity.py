@@ -1,16 +1,16 @@
 """Regenerate the loss-parity table: lingpack vs the Megatron-semantics PyTorch reference.
 
-    python experiments/loss_parity/run_parity.py [--steps 50] [--out experiments/loss_parity/results]
+    python -m experiments.loss_parity.run_parity [--steps 50] [--out experiments/loss_parity/results] [--reuse]
 
 Runs `python run.py experiment=loss_parity` on the default Ling3 (lower-bound gate, RoPE MLA, MTP) and, as
 KimiLinear alone expresses it (softplus gate, NoPE MLA, no MTP), in fp32 (routing free and routing-locked),
 with dense FFNs and with bf16 compute (fp32 master weights), all against the fp32 reference, and writes
-`results.md` (the README's table, `table(rows of results.json)`), `results.json` and the plots. Each MoE
+`results.json` (whose `table` is the `loss_parity` results block of the docs) and each run's directory. Each MoE
 variant also traces routing on both sides: the first step where the two sides' expert selections differ,
 its MoE layer and the decision margin of the flipped tokens (`<run>/parity/routing.json`). Both sides
 evaluate the valid split every `train.eval_every` steps and, at the end, the valid and test splits on the same
 samples (`<run>/parity/validation_parity.csv`): the validation column is the largest relative difference.
-`--reuse --steps 10` added the "default Ling3 fp32" row (10 steps) beside the earlier 50-step runs.
+Every row records the commit its run measured; `--reuse` keeps the runs already in `--out`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from experiments.provenance import commit
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ["model.mtp_num_layers=0", "model.kda.lower_bound=null", "model.mla.rope_type=none"]  # KimiLinear's model
@@ -48,8 +50,8 @@ def main():
             shutil.rmtree(run_dir, ignore_errors=True)
             run_variant(run_dir, overrides, tolerance, args.steps)
         summary = json.loads((run_dir / "summary.json").read_text())
-        stale = "parity_lock_routing" not in summary  # written before the routing trace existed (--reuse)
-        rows.append({"variant": name + (" (previous run)" if stale else ""), "steps": summary["parity_steps"],
+        rows.append({"variant": name, "commit": json.loads((run_dir / "commit.json").read_text())["commit"],
+                     "steps": summary["parity_steps"],
                      "first_lm_loss": summary["first_lm_loss"],
                      "final_lm_loss": summary["final_lm_loss"], "max_rel_diff": summary["parity_max_rel"],
                      "mean_rel_diff": summary["parity_mean_rel"], "tolerance": tolerance,
@@ -57,30 +59,28 @@ def main():
                      "passed": summary["parity_max_rel"] <= tolerance, **_routing(run_dir),
                      "val_max_rel_diff": summary.get("val_parity_max_rel"),
                      "val_evaluations": summary.get("val_parity_evaluations")})
-    (out / "results.md").write_text(table(rows))
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     print(table(rows))
 
 
 def table(rows: list[dict]) -> str:
-    """results.md (the README's table) from results.json's rows."""
-    lines = ["| variant | steps | lm loss first -> last | max rel diff | mean rel diff | target | first step over target "
-             "| first routing flip: step (layer), margin | rel diff before flip -> worst after "
-             "| validation max rel diff (evaluations) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """The `loss_parity` results block, from results.json's rows."""
+    lines = ["| variant | lingpack commit | steps | lm loss first -> last | max rel diff | mean rel diff | target "
+             "| first step over target | first routing flip: step (layer), margin "
+             "| rel diff before flip -> worst after | validation max rel diff (evaluations) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['steps']} | {r['first_lm_loss']:.4f} -> {r['final_lm_loss']:.4f} | "
-                     f"{r['max_rel_diff']:.2e} | {r['mean_rel_diff']:.2e} | <= {r['tolerance']:g} | "
+        lines.append(f"| {r['variant']} | {r.get('commit', '-')} | {r['steps']} | "
+                     f"{r['first_lm_loss']:.4f} -> {r['final_lm_loss']:.4f} | {r['max_rel_diff']:.2e} | "
+                     f"{r['mean_rel_diff']:.2e} | <= {r['tolerance']:g} | "
                      f"{r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} | {_validation(r)} |")
     if any(r.get("val_evaluations") is None for r in rows):
-        lines.append("\nnot evaluated: the run predates the reference's evaluation (rerun the variant to fill it).")
-    if any(r["variant"].endswith("(previous run)") for r in rows):
-        lines.append("\n(previous run): kept by --reuse from a run of an earlier version of this script and reference.")
+        lines.append("\nnot evaluated: that run's reference did not evaluate yet.")
     return "\n".join(lines) + "\n"
 
 
 def run_dir_of(variant: str, out: Path) -> Path:
-    return out / variant.removesuffix(" (previous run)").replace(" ", "_")
+    return out / variant.replace(" ", "_")
 
 
 def _validation(row: dict) -> str:
@@ -100,7 +100,8 @@ def _routing(run_dir: Path) -> dict:
     first, around = trace["first_flip"], trace.get("loss_rel_diff")
     if first is None:
         return {"flip": f"none in {trace['steps']} steps", "around_flip": "", "first_flip": None}
-    cells = {"flip": f"{first['step']} ({first['layer']}), {first['tokens']} tok, margin <= {first['lingpack_margin_max']:.1e}",
+    cells = {"flip": f"{first['step']} ({first['layer']}), {first['tokens']} tok,"
+                     f" margin <= {first['lingpack_margin_max']:.1e}",
              "around_flip": "", "first_flip": first}
     if around and around["max_before"] is not None:
         after = around["max_after"] if around["max_after"] is not None else around["at"]
@@ -120,6 +121,7 @@ def run_variant(run_dir: Path, overrides: list, tolerance: float, steps: int) ->
            "train.progress_bar=false", f"hydra.run.dir={run_dir}", *overrides]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
+    (run_dir / "commit.json").write_text(json.dumps({"commit": commit()}) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,9 @@
-"""Results tables in README.md and docs/ are the artifacts their committed scripts wrote (`make check-results`)."""
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+"""Results blocks in README.md, docs/ and experiments/ are what their scripts render of the committed artifacts."""
+from experiments import check_results
 
 
 def _check_results():
-    spec = importlib.util.spec_from_file_location("check_results", ROOT / "experiments" / "check_results.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return check_results
 
 
 def test_results_tables_match_their_artifacts():
@@ -27,6 +21,8 @@ def test_the_check_can_fail():
                                if m.group(2) == "make_run" else m.group(0), pages[page])   # one changed cell
     assert tampered != pages[page]
     assert any(f"{page}'s 'make_run' block differs" in p for p in check.problems({**pages, page: tampered}))
-    dropped = {name: check.BLOCK.sub(lambda m: "" if m.group(2) == "loss_parity" else m.group(0), text)
-               for name, text in pages.items()}
-    assert any("no page has the block <!-- results: loss_parity -->" in p for p in check.problems(dropped))
+    dropped = check.BLOCK.sub(lambda m: "" if m.group(2) == "loss_parity" else m.group(0), pages[page])
+    assert any(f"{page} lacks the block <!-- results: loss_parity -->" in p
+               for p in check.problems({**pages, page: dropped}))
+    unknown = pages[page] + "\n<!-- results: no_such_benchmark -->\n| x |\n<!-- /results -->\n"
+    assert any("'no_such_benchmark' that no artifact renders" in p for p in check.problems({**pages, page: unknown}))

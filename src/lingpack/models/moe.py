@@ -6,7 +6,7 @@ auxiliary-loss-free balancing bias), optionally limited to the `topk_groups` bes
 scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
 Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
 token is ever dropped: `jax.lax.ragged_dot` on accelerators, `tiled_grouped_matmul` on CPU, where
-ragged_dot computes every row against every expert (E times the work; bench_train.py measured it).
+ragged_dot computes every row against every expert (E times the work; docs/kernels.md#moe-grouped-matmul).
 Shared experts see every token. Under context parallelism every device dispatches its own tokens.
 
 `expert_bias` is an `ExpertBias` variable, not an `nnx.Param`: gradients never reach it; it moves only

@@ -61,7 +61,7 @@ def _hf_kda(ours: KDA, cfg: KDAConfig):
         layer.o_norm.weight.copy_(_t(ours.o_norm.weight))
         convs = [_t(c.kernel) for c in (ours.q_conv, ours.k_conv, ours.v_conv)]
         layer.conv1d.weight.copy_(torch.cat(convs, dim=1).T[:, None, :])
-    if cfg.lower_bound is not None:  # transformers has no safe gate: the REFERENCE.md §1 formula, in torch
+    if cfg.lower_bound is not None:  # transformers has no safe gate: docs/design.md#kda-gates, in torch
         fg = layer.forget_gate
 
         def safe_gate(self, x):

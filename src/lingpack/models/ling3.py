@@ -1,10 +1,10 @@
 """The Ling3 hybrid LM: embeddings -> [KDA | MLA] x (dense | MoE) layers -> final norm -> fp32 logits (+ MTP).
 
-Layer pattern (REFERENCE.md §3): layer i (0-indexed) is MLA iff (i + 1) % inhomogeneous_layer_cycle_interval
-== 0, else KDA; layers i < first_dense_layers use a dense SwiGLU (mlp_dim), the rest MoE. MTP layers are
-MLA. Every input is packed: `segment_ids` (1, 2, 3... per row, 0 = padding) keep documents apart in
-every mixer (KDA state, short conv, attention mask, MTP rolls); `positions` (restarting per document)
-drive RoPE.
+Layer pattern (docs/design.md#ling3-layer-pattern): layer i (0-indexed) is MLA iff
+(i + 1) % inhomogeneous_layer_cycle_interval == 0, else KDA; layers i < first_dense_layers use a dense
+SwiGLU (mlp_dim), the rest MoE. MTP layers are MLA. Every input is packed: `segment_ids` (1, 2, 3... per
+row, 0 = padding) keep documents apart in every mixer (KDA state, short conv, attention mask, MTP rolls);
+`positions` (restarting per document) drive RoPE.
 
 Logical axis names on parameters (mapped to mesh axes by `train/sharding.py`):
   vocab    vocabulary (embedding rows, output head columns)

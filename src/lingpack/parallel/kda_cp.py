@@ -1,4 +1,4 @@
-"""KDA context parallelism: exact state passing over the `context` mesh axis (REFERENCE.md §6).
+"""KDA context parallelism: exact state passing over the `context` mesh axis (docs/design.md#context-parallelism).
 
 Every device holds one block of each row (two under zigzag: global chunks r and 2N-1-r, see reorder.py).
 The KDA update is affine in the incoming state, so a block is summarised by

@@ -1,4 +1,4 @@
-"""Segment-native Pallas TPU KDA ("Alt1" of the seed RFC): segment ids go straight into the kernel.
+"""Segment-native Pallas TPU KDA (docs/design.md#segment-native-chunking): segment ids go straight into the kernel.
 
 Rows stay `[B, T]` (any B); T is padded to a chunk multiple, nothing else: no flattening, no phantom
 segments, no alignment. Each kernel step reads its chunk's segment ids from a per-row id table

@@ -1,4 +1,4 @@
-"""The seed RFC's varlen design as Pallas TPU kernels: B=1 flattened, chunk-aligned segments, scalar prefetch.
+"""The aligned cu_seqlens layout as Pallas TPU kernels: B=1 flattened, chunk-aligned segments, scalar prefetch.
 
 The batch `[B, T]` is flattened and described by `cu_seqlens` padded to `max_segs + 1` (phantom
 segments have zero length); `segments.align_plan` places every segment at a chunk boundary of a static

@@ -5,16 +5,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from lingpack.models.kda import KDA, KDAConfig, KDAKernel
 from lingpack.models.mla import MLA, MLAConfig
 from lingpack.parity.convert import hf_gated_norm_activation
 from packing_cases import documents, packed_batch, per_document_batch
+from tests.optional import lazy
 
-hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-from transformers import KimiLinearConfig  # noqa: E402
+torch = lazy("torch")
+hf = lazy("transformers.models.kimi_linear.modeling_kimi_linear")
+KimiLinearConfig = lazy("transformers", "KimiLinearConfig")
 
 D = 32
 ROWS, T = [[5, 1, 30, 20], [64], [16, 3]], 64

@@ -4,7 +4,7 @@
 
 Forward+backward time of a T=8192 packed row (log-normal document lengths) over the same tokens as one
 unpacked document, per design, measured in one process (`bench_kda.bench.part2`), next to the aligned design's
-predicted buffer growth T_new/T (docs/design.md#aligned-cu-seqlens-layout). Writes results.json (whose `table`
+predicted buffer growth T_new/T (docs/design.md#aligned-cu_seqlens-layout). Writes results.json (whose `table`
 is the `phantom_overhead` results block of the docs) and overhead.png.
 The training-level view of the same question:
 `python run.py -m experiment=phantom_sweep kernel.max_segs=8,16,32,64,128`.

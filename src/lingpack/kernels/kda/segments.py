@@ -5,7 +5,7 @@ end of a row, and every row boundary ends a segment (even when the next row star
 
 Two kernel designs consume them:
 * segment-native: ids are used directly (`segment_starts`, `fill_padding_ids`);
-* aligned (cu_seqlens, docs/design.md#aligned-cu-seqlens-layout): the batch is flattened to `[1, B*T]` and described by
+* aligned (cu_seqlens, docs/design.md#aligned-cu_seqlens-layout): the batch is flattened to `[1, B*T]` and described by
   `cu_seqlens` of fixed shape `[max_segs + 1]` in FLA's convention (0, cumulative ends). Phantom
   segments beyond the real count have zero length. `align_plan` then places every segment at a chunk
   boundary of a static buffer of `aligned_length(...)` tokens.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -32,7 +33,9 @@ def table(summary: dict) -> str:
         f"| {summary.get('commit', '-')} | {summary['steps']} | "
         f"{summary['first_lm_loss']:.2f} -> {summary['final_lm_loss']:.2f} | "
         f"{summary['tokens_per_s']:,.0f} | {summary['wall_seconds']:.0f} s | {summary['packing_parity_rel']:.1e} | "
-        f"{summary['phantom_overhead']:.2f} |"]) + "\n"
+        f"{summary['phantom_overhead']:.2f} |"]
+        + ([f"\n2 CPU cores; load average {summary['load_average_at_start']:.1f} when the run started (1.0 = one"
+            " core busy with other jobs)."] if "load_average_at_start" in summary else [])) + "\n"
 
 
 def main():
@@ -45,13 +48,13 @@ def main():
         cmd = [sys.executable, str(ROOT / "run.py"), "logger=none", "train.progress_bar=false",
                f"hydra.run.dir={tmp}/run"]
         print("$", " ".join(cmd), flush=True)
-        start = time.perf_counter()
+        load, start = os.getloadavg()[0], time.perf_counter()
         subprocess.run(cmd, cwd=ROOT, check=True)
         wall = time.perf_counter() - start
         summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
         for name in ("metrics.csv", "loss.png"):
             shutil.copy(Path(tmp) / "run" / name, out / name)
-    summary.update(wall_seconds=wall, commit=commit())
+    summary.update(wall_seconds=wall, commit=commit(), load_average_at_start=load)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(table(summary))
 

@@ -159,3 +159,31 @@ def test_experiments_import_the_package_not_the_tests():
                     ast.unparse(node.value) == "sys.path":
                 offenders.append(f"{path.relative_to(ROOT)} changes sys.path")
     assert not offenders, offenders
+
+
+def test_every_config_key_is_documented():
+    """docs/configuration.md names every key of every config group (a key added to a schema needs its line)."""
+    import dataclasses
+
+    from lingpack import config
+    from lingpack.models import kda, ling3, mla, moe, mtp
+    from lingpack.train.schedule import ContextSchedule
+    groups = {"model": ling3.Ling3Config, "model.kda": kda.KDAConfig, "model.mla": mla.MLAConfig,
+              "model.moe": moe.MoEConfig, "model.mtp": mtp.MTPConfig, "kernel": config.KernelConfig,
+              "data": config.DataConfig, "loss": config.LossConfig, "optim": config.OptimConfig,
+              "parallel": config.ParallelConfig, "train": config.TrainConfig, "checkpoint": config.CheckpointConfig,
+              "logger": config.LoggerConfig, "parity": config.ParityConfig, "distributed": config.DistributedConfig,
+              "schedule": ContextSchedule}
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    missing = []
+    for group, cls in groups.items():
+        sub = group.partition(".")[2]
+        for field in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(field.default):
+                continue   # a nested group, documented key by key
+            names = {f"`{field.name}`", f"`{group}.{field.name}`"} | ({f"`{sub}.{field.name}`"} if sub else set())
+            if sub and f"`{field.name}`" in names:
+                names.discard(f"`{field.name}`")   # a nested key is written with its group: `kda.num_heads`
+            if not any(name in page for name in names):
+                missing.append(f"{group}.{field.name}")
+    assert not missing, f"docs/configuration.md does not describe {missing}"

@@ -29,7 +29,7 @@ def _load(path: str):
     return json.loads((ROOT / path).read_text())
 
 
-def _renderers() -> dict:
+def renderers() -> dict:
     """Block name -> (artifact, the script that writes it, a function of nothing that renders the block)."""
     from experiments.bench_kda import bench as bench_kda
     from experiments.bench_train import bench as bench_train
@@ -94,8 +94,8 @@ def read_pages() -> dict[str, str]:
 
 
 def problems(pages: dict[str, str]) -> list[str]:
-    renderers, out, rendered = _renderers(), [], {}
-    for name, (artifact, script, render) in renderers.items():
+    known, out, rendered = renderers(), [], {}
+    for name, (artifact, script, render) in known.items():
         if not (ROOT / artifact).exists():
             out.append(f"{artifact} is missing: run python -m {script.__name__}")
         else:
@@ -103,22 +103,22 @@ def problems(pages: dict[str, str]) -> list[str]:
     for page, text in pages.items():
         for m in BLOCK.finditer(text):
             name, body = m.group(2), m.group(3)
-            if name not in renderers:
+            if name not in known:
                 out.append(f"{page} has a results block {name!r} that no artifact renders")
             elif name in rendered and body != rendered[name]:
-                artifact, script, _ = renderers[name]
+                artifact, script, _ = known[name]
                 out.append(f"{page}'s {name!r} block differs from what {script.__name__} renders of {artifact};"
                            " python -m experiments.check_results --write rewrites it")
     indexed = {m.group(2) for m in BLOCK.finditer(pages.get(INDEX, ""))}
     out += [f"{INDEX} lacks the block <!-- results: {name} --> ... <!-- /results -->"
-            for name in renderers if name not in indexed and name != "pallas_cost_detail"]
+            for name in known if name not in indexed and name != "pallas_cost_detail"]
     return out + _bench_kda_problems() + _loss_parity_problems()
 
 
 def write(text: str) -> str:
-    renderers = {name: r for name, r in _renderers().items() if (ROOT / r[0]).exists()}
-    return BLOCK.sub(lambda m: m.group(1) + renderers[m.group(2)][2]() + m.group(4)
-                     if m.group(2) in renderers else m.group(0), text)
+    present = {name: r for name, r in renderers().items() if (ROOT / r[0]).exists()}
+    return BLOCK.sub(lambda m: m.group(1) + present[m.group(2)][2]() + m.group(4)
+                     if m.group(2) in present else m.group(0), text)
 
 
 def main() -> int:

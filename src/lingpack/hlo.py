@@ -1,4 +1,5 @@
-"""Reading a compiled program's HLO text: every collective as it executes, loop trip counts included.
+"""Reading a program: every collective of its compiled HLO as it executes (loop trip counts included), and
+its Pallas kernels (Mosaic and Triton calls of an exported module, interpret-mode ones of its jaxpr).
 
 `jax.jit(f).lower(...).compile().as_text()` is the per-device program after SPMD partitioning. A
 computation's ops run once per call; a `while` body runs its known trip count times (unknown: once, and
@@ -106,3 +107,58 @@ def collectives(hlo: str) -> dict:
         totals[op.kind]["bytes"] += op.times * op.bytes
     return {"by_kind": {k: dict(totals[k]) for k in KINDS if k in totals}, "unknown_trip_counts": unknown,
             "trivial": trivial}
+
+
+
+def mosaic_calls(module: str) -> dict:
+    """Mosaic (Pallas TPU) kernels of a StableHLO module (`jax.export(...).mlir_module()`): {kernel name: calls}.
+
+    A Mosaic kernel lowers to one `tpu_custom_call` whose `kernel_name` is the pallas_call's `name`; a
+    kernel called twice from one deduplicated function counts once (counts are of the text, not of runs).
+    """
+    return dict(collections.Counter(re.findall(r'tpu_custom_call\(.*?kernel_name = "([^"]+)"', module)))
+
+
+TRITON_CALL = "__gpu$xla.gpu.triton"   # the custom-call target of a Pallas kernel lowered through Triton
+
+
+def triton_calls(module: str) -> dict:
+    """Triton (Pallas GPU) kernels of a StableHLO module exported for CUDA: {kernel name: calls}, counted like
+    `mosaic_calls`. A Triton kernel lowers to one `TRITON_CALL` custom call whose backend config `name` is
+    the pallas_call's `name`."""
+    call = re.escape(f"custom_call @{TRITON_CALL}(")
+    return dict(collections.Counter(re.findall(call + r'.*?name = "([^"]+)"', module)))
+
+
+def pallas_call_eqns(jaxpr) -> list:
+    """Every `pallas_call` equation of a (closed) jaxpr, nested jaxprs included (shard_map, scan, cond, remat,
+    custom_vjp), in program order."""
+    from jax.extend import core as jex_core
+    found = []
+
+    def visit(j) -> None:
+        for eqn in j.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(eqn)
+                continue   # a kernel body holds no pallas_call
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(getattr(jaxpr, "jaxpr", jaxpr))
+    return found
+
+
+def pallas_kernels(jaxpr) -> dict:
+    """Every `pallas_call` of a traced program (`jax.jit(f).trace(...).jaxpr`), by how it will run.
+
+    {"mosaic": {name: calls}, "triton": {name: calls}, "interpret": {name: calls}}: an interpret-mode kernel
+    leaves no custom call in the lowered module (its body is inlined as XLA ops), so it is found here, in
+    the jaxpr, by its `interpret` parameter; the others lower through Triton when their compiler params are
+    Pallas GPU's (`jax.experimental.pallas.triton`), else through Mosaic.
+    """
+    found = {"mosaic": collections.Counter(), "triton": collections.Counter(), "interpret": collections.Counter()}
+    for eqn in pallas_call_eqns(jaxpr):
+        triton = "pallas.triton" in type(eqn.params.get("compiler_params")).__module__
+        mode = "interpret" if eqn.params.get("interpret") else "triton" if triton else "mosaic"
+        found[mode][eqn.params.get("name") or "?"] += 1
+    return {k: dict(v) for k, v in found.items()}

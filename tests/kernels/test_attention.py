@@ -45,12 +45,18 @@ def _torch_per_document(q, k, v, seg, scale, weights_o=None):
 CASES = [
     ([[5, 1, 20, 6]], 40),                 # length-1 document, trailing padding
     ([[33, 31], [1, 1, 62], [64]], 64),    # several rows, repeated ids across rows
-    ([[130, 3, 7]], 150),                  # more than one splash/flash block, padding to 256 for splash
+    ([[130, 3, 7]], 150),                  # more than one splash/flash/pallas_triton tile, padding to 256
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("rows,T", CASES)
+# pallas_triton runs in Pallas interpret mode here (seconds per case): the default suite takes its case with
+# several tiles, a 3-token document and padding (outputs and gradients per document); `make test-all` the rest
+SLOW = pytest.mark.slow
+CASE_IMPLS = [pytest.param(impl, rows, T, marks=[SLOW] if impl == "pallas_triton" and T != 150 else [],
+                           id=f"{impl}-T{T}") for rows, T in CASES for impl in IMPLS]
+
+
+@pytest.mark.parametrize("impl,rows,T", CASE_IMPLS)
 def test_matches_per_document_sdpa(impl, rows, T):
     H, K, V = 2, 16, 8
     seg = _segments(rows, T)
@@ -69,7 +75,7 @@ def test_matches_per_document_sdpa(impl, rows, T):
         np.testing.assert_allclose(np.asarray(g), r, atol=5e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=[SLOW] if i == "pallas_triton" else []) for i in IMPLS])
 def test_padding_rows_are_zero_and_finite(impl):
     """An all-padding row (every query fully masked) outputs 0 with finite gradients."""
     seg = _segments([[4, 3], []], 16)
@@ -109,7 +115,7 @@ def test_unknown_impl_names_choices():
         attention(q, q, q, impl="ring")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=[SLOW] if i == "pallas_triton" else []) for i in IMPLS])
 def test_gradients_never_cross_documents(impl):
     """d(outputs of one document) / d(q, k, v of every other token) is exactly zero."""
     seg = _segments([[9, 1, 12], [20]], 24)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from lingpack.kernels.attention.api import IMPLS as ATTENTION_IMPLS
+from lingpack.kernels.attention.api import CHOICES as ATTENTION_CHOICES
 from lingpack.kernels.kda import api as kda_api
 from lingpack.models.block import DecoderLayer, LayerSpec, parts
 from lingpack.models.kda import KDAConfig, KDAKernel
@@ -115,8 +115,8 @@ class Ling3Config:
             raise ValueError(f"first_dense_layers must lie in [0, num_layers={self.num_layers}]; got {self.first_dense_layers}")
         if self.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers must be >= 0; got {self.mtp_num_layers}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"unknown attention_impl {self.attention_impl!r}; valid choices: {list(ATTENTION_IMPLS)}")
+        if self.attention_impl not in ATTENTION_CHOICES:
+            raise ValueError(f"unknown attention_impl {self.attention_impl!r}; valid choices: {list(ATTENTION_CHOICES)}")
         if self.kda_impl not in kda_api.names():
             raise ValueError(f"unknown kda_impl {self.kda_impl!r}; valid choices: {list(kda_api.names())}")
         if kda_api.needs_max_segs(self.kda_impl) and not self.kda_max_segs:

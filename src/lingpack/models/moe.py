@@ -5,8 +5,10 @@ auxiliary-loss-free balancing bias), optionally limited to the `topk_groups` bes
 (a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the unbiased
 scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
 Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
-token is ever dropped: `jax.lax.ragged_dot` on accelerators, `tiled_grouped_matmul` on CPU, where
-ragged_dot computes every row against every expert (E times the work; docs/kernels.md#moe-grouped-matmul).
+token is ever dropped: `jax.lax.ragged_dot` on TPU (XLA:TPU's grouped matmul), `tiled_grouped_matmul` on
+CPU and GPU, where XLA expands ragged_dot into a dense dot of every row against every expert (E times the
+work; docs/kernels.md#moe-grouped-matmul measures it on CPU); on NVIDIA GPUs the expansion is
+openxla/xla:xla/hlo/transforms/expanders/ragged_dot_rewriter.cc, unless an experimental cuDNN flag is set.
 Shared experts see every token. Under context parallelism every device dispatches its own tokens.
 
 `expert_bias` is an `ExpertBias` variable, not an `nnx.Param`: gradients never reach it; it moves only
@@ -41,7 +43,7 @@ class MoEConfig:
     norm_topk_prob: bool = False
     bias_update_rate: float = 1e-3        # used by the training loop's `update_expert_bias` call
     z_loss_coef: float = 0.0              # Ling3: 2.9e-6; the loss module scales `router_z_loss` by it
-    grouped_matmul: str = "auto"          # "ragged_dot", "tiled", or "auto" (tiled on CPU, else ragged_dot)
+    grouped_matmul: str = "auto"          # "ragged_dot", "tiled", or "auto" (GROUPED_MATMUL_AUTO per platform)
 
     def __post_init__(self):
         E, G = self.num_experts, self.n_groups
@@ -61,6 +63,7 @@ class MoEConfig:
 
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+GROUPED_MATMUL_AUTO = {"tpu": "ragged_dot", "gpu": "tiled", "cpu": "tiled"}   # the module docstring says why
 TILE_ROWS = 32  # rows per tile of `tiled_grouped_matmul`: at most E * (TILE_ROWS - 1) filler rows per call
 
 
@@ -146,8 +149,9 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat_expert, stable=True)
         x_sorted = x_ND[order // k].astype(self.dtype)
         group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
-        tiled = self.cfg.grouped_matmul == "tiled" or (self.cfg.grouped_matmul == "auto" and backend.current() == "cpu")
-        grouped = tiled_grouped_matmul if tiled else jax.lax.ragged_dot
+        choice = self.cfg.grouped_matmul
+        choice = GROUPED_MATMUL_AUTO[backend.current()] if choice == "auto" else choice
+        grouped = tiled_grouped_matmul if choice == "tiled" else jax.lax.ragged_dot
         mm = lambda a, w: grouped(a, w.astype(self.dtype), group_sizes,
                                   preferred_element_type=jnp.float32)  # fp32 accumulation for bf16
         h = jax.nn.silu(mm(x_sorted, wi_gate)) * mm(x_sorted, wi_up)

@@ -17,8 +17,6 @@ DOC_PAGES = ("configuration", "data", "kernels", "parity", "parallelism", "runni
 FORBIDDEN = re.compile(r"REFERENCE\.md|\bRFC\b|\bseed (RFC|design)|\.\./shared|shared/seeds|\bissue ?#?\d+|"
                        r"\b(first|second|third|fourth) (KDA )?pass\b|\bthis (branch|session)\b|\bprevious run\b|"
                        r"\b(before|after) (the )?issue\b", re.I)
-# Circles that another change removes; each entry must still exist (a stale one fails).
-KNOWN_CIRCLES: set[frozenset] = {frozenset({"lingpack.data.pipeline", "lingpack.data.stats"})}
 
 
 def _tracked() -> list[str]:
@@ -144,8 +142,7 @@ def test_no_import_circles_in_the_package():
     for module in files:
         if module not in index:
             visit(module)
-    assert set(circles) - KNOWN_CIRCLES == set(), [sorted(c) for c in set(circles) - KNOWN_CIRCLES]
-    assert KNOWN_CIRCLES <= set(circles), "a known circle is gone: remove it from KNOWN_CIRCLES"
+    assert not circles, [sorted(c) for c in circles]
 
 
 def test_experiments_import_the_package_not_the_tests():

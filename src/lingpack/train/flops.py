@@ -10,7 +10,8 @@ Other models: 6 * parameters, or their config's own `flops_per_token(seq_len)` w
 
 Peak: vendor figures for accelerators; on CPU (no vendor figure means anything there) the matmul
 throughput XLA reaches in this process, measured once (`measured_matmul_flops`), so `mfu` on CPU is
-"fraction of the best dense matmul this machine does", not of a datasheet number.
+"fraction of the best dense matmul this machine does", not of a datasheet number, and approximate: on a
+shared machine the ceiling varies ~2x between processes (experiments/cpu_matmul_ceiling/).
 """
 
 from __future__ import annotations

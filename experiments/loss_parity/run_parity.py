@@ -1,6 +1,6 @@
 """Regenerate the loss-parity table: lingpack vs the Megatron-semantics PyTorch reference.
 
-    python experiments/loss_parity/run_parity.py [--steps 50] [--only NAME ...] [--reuse] [--table-only]
+    python -m experiments.loss_parity.run_parity [--steps 50] [--only NAME ...] [--reuse] [--table-only]
 
 Each variant is one `python run.py experiment=loss_parity[_fp64] ...` run (its directory under `results/`):
 the default Ling3 (lower-bound gate, RoPE MLA, MTP) and the model as KimiLinear alone expresses it (softplus
@@ -9,10 +9,9 @@ routing-locked), with dense FFNs, and with bf16 compute against the fp32 referen
 routing on both sides (`<run>/parity/routing.json`: the first step whose expert selections differ, its MoE
 layer, the flipped tokens' decision margin); every variant compares the MTP and router z-loss terms per step
 (`<run>/parity/terms.csv`) and the evaluations on the valid and test splits (`<run>/parity/validation_parity.csv`).
-Writes `results.json` (one row per variant, from the runs' summaries), `results.md` (the table, `table(rows)`)
-and the table into docs/parity.md between its `<!-- results: loss_parity -->` markers. Every run directory
-records the commit it measured (`commit.json`; a source snapshot made by `git archive` names its commit in a
-`COMMIT` file at its root).
+Writes `results.json` (one row per variant, from the runs' summaries; `table(rows)` is the `loss_parity`
+results block of the docs, rewritten by `python -m experiments.check_results --write`). Every run directory
+records the commit it measured (`commit.json`, `experiments.provenance.commit`).
 `--only` reruns the named variants and keeps the others' runs; `--reuse` keeps every variant whose run directory
 has a summary. The table holds a row for every variant that has a run.
 """
@@ -21,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from experiments.provenance import commit
+
 ROOT = Path(__file__).resolve().parents[2]
-PAGE = ROOT / "docs" / "parity.md"   # the user page holding the table (between its results markers)
 KIMI = ["model.mtp_num_layers=0", "model.kda.lower_bound=null", "model.mla.rope_type=none"]  # KimiLinear's model
 FP32, BF16, FP64 = ["model.dtype=float32"], ["model.dtype=bfloat16"], ["experiment=loss_parity_fp64"]
 LOCKED = ["parity.lock_routing=true"]
@@ -94,19 +93,12 @@ def _dtypes(summary: dict) -> str:
 
 
 def write(rows: list[dict], out: Path) -> None:
-    """results.json, results.md and the table in docs/parity.md (its results block replaced)."""
+    """results.json, and every docs block of the table rewritten from it."""
+    from experiments import check_results
     (out / "results.json").write_text(json.dumps(rows, indent=2))
-    (out / "results.md").write_text(table(rows))
-    if PAGE.exists():
-        PAGE.write_text(with_table(PAGE.read_text(), table(rows)))
-
-
-def with_table(page: str, rendered: str) -> str:
-    """`page` with its `<!-- results: loss_parity -->` block holding `rendered` (the markers must be there)."""
-    block = re.compile(r"(<!-- results: loss_parity -->\n).*?(<!-- /results -->)", re.S)
-    if not block.search(page):
-        raise ValueError(f"{PAGE} lacks the <!-- results: loss_parity --> ... <!-- /results --> block")
-    return block.sub(lambda m: m.group(1) + rendered + m.group(2), page)
+    for page, text in check_results.read_pages().items():
+        if "<!-- results: loss_parity -->" in text:
+            (ROOT / page).write_text(check_results.write(text))
 
 
 def _cell(value, fmt: str = ".2e") -> str:
@@ -114,7 +106,7 @@ def _cell(value, fmt: str = ".2e") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """results.md (the table of docs/parity.md) from results.json's rows."""
+    """The `loss_parity` results block, from results.json's rows."""
     lines = ["| variant | lingpack commit | steps | dtypes: lingpack / reference | lm loss first -> last "
              "| max rel diff | mean rel diff | MTP max rel diff | router z-loss max rel diff | target "
              "| first step over target "
@@ -156,7 +148,8 @@ def _routing(run_dir: Path) -> dict:
     first, around = trace["first_flip"], trace.get("loss_rel_diff")
     if first is None:
         return {"flip": f"none in {trace['steps']} steps", "around_flip": "", "first_flip": None}
-    cells = {"flip": f"{first['step']} ({first['layer']}), {first['tokens']} tok, margin <= {first['lingpack_margin_max']:.1e}",
+    cells = {"flip": f"{first['step']} ({first['layer']}), {first['tokens']} tok,"
+                     f" margin <= {first['lingpack_margin_max']:.1e}",
              "around_flip": "", "first_flip": first}
     if around and around["max_before"] is not None:
         after = around["max_after"] if around["max_after"] is not None else around["at"]
@@ -178,22 +171,7 @@ def run_variant(run_dir: Path, overrides: list, tolerance: float, steps: int) ->
            *(o for o in overrides if not o.startswith("experiment="))]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
-    (run_dir / "commit.json").write_text(json.dumps({"commit": source_commit()}) + "\n")
-
-
-def source_commit() -> str:
-    """The commit of the code this script runs: git's HEAD (+ "-dirty" with uncommitted changes), or the COMMIT
-    file of a `git archive` snapshot."""
-    if (ROOT / ".git").exists():
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    if (ROOT / "COMMIT").exists():
-        return (ROOT / "COMMIT").read_text().strip()
-    raise RuntimeError(f"{ROOT} is neither a git checkout nor a snapshot with a COMMIT file: its runs would name "
-                       "no code")
+    (run_dir / "commit.json").write_text(json.dumps({"commit": commit()}) + "\n")
 
 
 if __name__ == "__main__":

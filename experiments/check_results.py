@@ -79,14 +79,14 @@ def _bench_kda_problems() -> list[str]:
 def _loss_parity_problems() -> list[str]:
     """results.json's rows are the runs' own records (`run_parity.row_of` of each run directory), one per
     variant of the script."""
-    from experiments.loss_parity.run_parity import VARIANTS, row_of, run_dir_of
+    from experiments.loss_parity.run_parity import STALE, VARIANTS, row_of, run_dir_of
     out = ROOT / "experiments" / "loss_parity" / "results"
     rows = json.loads((out / "results.json").read_text())
-    named = {r["variant"].removesuffix(" (previous run)") for r in rows}
+    named = {r["variant"].removesuffix(STALE) for r in rows}
     problems = [f"loss parity: no row for the variant {v!r}: python -m experiments.loss_parity.run_parity --only {v!r}"
                 for v in VARIANTS if v not in named]
     for r in rows:
-        name = r["variant"].removesuffix(" (previous run)")
+        name = r["variant"].removesuffix(STALE)
         if name in VARIANTS and json.loads(json.dumps(row_of(name, VARIANTS[name][1], run_dir_of(name, out)))) != r:
             problems.append(f"loss parity row {r['variant']!r} differs from its run's files (summary.json, parity/)")
     return problems

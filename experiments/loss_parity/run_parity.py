@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KIMI = ["model.mtp_num_layers=0", "model.kda.lower_bound=null", "model.mla.rope_type=none"]  # KimiLinear's model
 FP32, BF16, FP64 = ["model.dtype=float32"], ["model.dtype=bfloat16"], ["experiment=loss_parity_fp64"]
 LOCKED = ["parity.lock_routing=true"]
+STALE = " (earlier harness)"   # marks a row whose run predates the per-step terms and dtype records
 VARIANTS = {  # name -> (overrides, relative tolerance); fp64 rows run float64 on both sides, the others fp32
     "default Ling3 float64": (FP64, 1e-9),
     "KimiLinear float64": (FP64 + KIMI, 1e-9),
@@ -71,7 +72,7 @@ def row_of(name: str, tolerance: float, run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     stale = "parity_reference_dtype" not in summary  # a run of an earlier harness (no terms, no dtype record)
     commit = run_dir / "commit.json"
-    return {"variant": name + (" (previous run)" if stale else ""),
+    return {"variant": name + (STALE if stale else ""),
             "commit": json.loads(commit.read_text())["commit"] if commit.exists() else None,
             "steps": summary["parity_steps"],
             "dtypes": _dtypes(summary),
@@ -122,13 +123,13 @@ def table(rows: list[dict]) -> str:
                      f"{_validation(r)} |")
     if any(r.get("val_evaluations") is None for r in rows):
         lines.append("\nnot evaluated: the run predates the reference's evaluation (rerun the variant to fill it).")
-    if any(r["variant"].endswith("(previous run)") for r in rows):
-        lines.append("\n(previous run): kept by --reuse from a run of an earlier version of this script and reference.")
+    if any(r["variant"].endswith(STALE) for r in rows):
+        lines.append(f"\n{STALE.strip()}: kept by --reuse from a run of an earlier version of this script and reference.")
     return "\n".join(lines) + "\n"
 
 
 def run_dir_of(variant: str, out: Path) -> Path:
-    return out / variant.removesuffix(" (previous run)").replace(" ", "_")
+    return out / variant.removesuffix(STALE).replace(" ", "_")
 
 
 def _validation(row: dict) -> str:

@@ -1,6 +1,6 @@
 """Whole-document rows against Megatron's samples on the bundled corpus: documents cut, padding, planning time.
 
-    python experiments/whole_document_packing/fill.py      # writes results/fill.json and prints a table
+    python -m experiments.whole_document_packing.fill      # writes results/fill.json and prints its table
 
 For each document unit (speech, scene), row length T and first-fit width (open rows), one epoch of the train
 split in Megatron's document order (seed 1234):
@@ -25,8 +25,11 @@ from lingpack.data.corpus import bundled_corpus_prefix
 from lingpack.data.indexed import IndexedDataset
 from lingpack.data.packing import PackedRows, pack_documents
 
+from experiments.provenance import commit
+
 ROW_LENGTHS = (1024, 4096, 16384)
 OPEN_ROWS = (1, 4, 16, 64)
+PLURAL = dict(speech="speeches", scene="scenes")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -62,16 +65,26 @@ def main() -> None:
                     padding=round(stats["padding_tokens"] / (stats["rows"] * (T + 1)), 4),
                     cpu_s_per_million_documents=round(seconds / lengths.size * 1e6, 2))
             results.append(row)
+    result = dict(commit=commit(), machine="shared 2-core CPU host", open_rows=list(OPEN_ROWS), results=results)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "fill.json"), "w") as stream:
-        json.dump(dict(machine="shared 2-core CPU host", results=results), stream, indent=1)
-    print("| unit | T | documents | samples: cut | whole_documents: cut | padding, open rows "
-          + " / ".join(map(str, OPEN_ROWS)) + " |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        pads = " / ".join(f"{100 * r[f'whole_documents_{k}']['padding']:.1f}%" for k in OPEN_ROWS)
-        print(f"| {r['unit']} | {r['seq_length']} | {r['documents']} | {r['samples']['cut_documents']} | "
-              f"{r['whole_documents_16']['cut_documents']} | {pads} |")
+        json.dump(result, stream, indent=1)
+    print(table(result), end="")
+
+
+def table(result: dict) -> str:
+    """The `whole_document_packing` results block, from fill.json."""
+    widths = result["open_rows"]
+    lines = [f"One epoch of the bundled corpus' train split, lingpack at commit {result['commit']}:", "",
+             "| documents | row length T | cut by samples | cut by whole documents | padding, open rows "
+             + " / ".join(map(str, widths)) + " | planning, CPU s per 1M documents (16 open rows) |",
+             "|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        pads = " / ".join(f"{100 * r[f'whole_documents_{k}']['padding']:.1f}%" for k in widths)
+        lines.append(f"| {r['documents']} {PLURAL[r['unit']]} | {r['seq_length']} | {r['samples']['cut_documents']} | "
+                     f"{r['whole_documents_16']['cut_documents']} | {pads} | "
+                     f"{r['whole_documents_16']['cpu_s_per_million_documents']:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import dataclasses
 
 import numpy as np
 
+from lingpack.data import indices as ix
 from lingpack.errors import ConfigError
 
 
@@ -119,8 +120,6 @@ def build_packed_rows(sequence_lengths: np.ndarray, documents: np.ndarray, *, ca
     over the fewest epochs that give `num_rows` rows, packed. Epochs are counted up from the number
     Megatron reads for `num_rows` samples of `capacity - 1` tokens (padding can need more); `num_rows`
     None packs one epoch, `num_epochs` exactly that many."""
-    from lingpack.data import indices as ix
-
     if len(documents) == 0:
         raise ConfigError(f"{name}: the split has no documents; give it a share of data.split or add data")
     lengths = np.asarray(sequence_lengths, dtype=np.int64)

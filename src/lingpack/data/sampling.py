@@ -198,7 +198,7 @@ def _packed_rows(cfg, documents, name, split_name, num_rows) -> PackedRows:
                seed=cfg.seed, capacity=capacity, open_rows=cfg.packing_open_rows, num_rows=num_rows,
                num_epochs=epochs)
     rows = PackedRows(**_cached(cfg.cache_dir if cfg.source != "synthetic" else None, key, build))
-    reported = json.dumps(key, sort_keys=True)
+    reported = json.dumps(dict(key, name=where, documents=len(lengths)), sort_keys=True)
     if reported in _REPORTED:
         return rows
     _REPORTED.add(reported)

@@ -11,6 +11,7 @@ from lingpack.models.moe import MoEConfig
 from lingpack.parity import routing as routing_lib
 from tests.parity.test_parity_harness import KIMI, SMALL, parity_config
 
+DEFAULT_LING3 = SMALL   # with MTP (the default Ling3)
 SMALL = SMALL + KIMI   # the model as KimiLinear expresses it (as recorded); the default Ling3: test_parity_harness.py
 
 
@@ -135,16 +136,20 @@ def test_routing_locked_fifty_step_parity(tmp_path):
 @pytest.mark.parametrize("loss", [["loss.calculate_per_token_loss=true"], ["loss.mode=per_token"],
                                   ["loss.megatron_dp_size=2"]], ids=["per_token_loss", "per_token_mode", "dp2"])
 def test_routing_locked_parity_in_every_loss_mode(tmp_path, loss):
-    """Both trainers end to end in each loss mode, routing locked, z-loss weight raised to 0.05.
+    """Both trainers end to end in each loss mode (the default Ling3: MTP too), routing locked, z-loss weight
+    raised to 0.05.
 
     Adam's scale invariance hides small z-loss scaling errors here (a 1% wrong denominator passed); the
     z-loss forms themselves are pinned by tests/parity/test_megatron_reference.py."""
     from lingpack.parity.harness import RoutingRecorder, run_parity
     from lingpack.train import loop
-    rc = parity_config(tmp_path, ["train.steps=4", *SMALL, "parity.lock_routing=true",
+    rc = parity_config(tmp_path, ["train.steps=4", *DEFAULT_LING3, "parity.lock_routing=true",
                                   "loss.moe_z_loss_weight=0.05", *loss])
     recorder = RoutingRecorder(rc.data.seq_length)
     result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
                         routing_callback=recorder)
     summary = run_parity(rc, result.history, routing=recorder.steps)
-    assert summary["parity_max_rel"] <= 1e-5, summary
+    # measured lm <= 1.6e-7, MTP <= 1.3e-7; per_token mode with the reference reporting Megatron's per-group
+    # MTP mean (megatron mode's definition): MTP 2.3e-5 apart (float64: 2.9e-5 beside lm at 2.9e-16)
+    assert summary["parity_max_rel"] <= 1e-6, summary
+    assert summary["mtp_parity_max_rel"] <= 1e-6, summary

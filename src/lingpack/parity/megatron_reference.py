@@ -226,8 +226,14 @@ class MegatronReferenceTrainer:
             real = sum(r[2] for r in results)
             record["moe_z_loss"] = float(np.mean([sum(r[7][n] for r in results) / max(real, 1)
                                                   for n in range(len(self.routers))]))
-        if self.model.mtp:  # Megatron's MTP tracker: per-(micro-batch, rank) token means, averaged, then over depths
-            record["mtp_loss"] = float(np.mean([[float(s.detach()) / max(float(c), 1.0) for s, c in r[6]] for r in results]))
+        if self.model.mtp:  # mean over depths of each depth's loss as the loss mode defines it (train/loss.py)
+            sums_RD = np.array([[float(s.detach()) for s, _ in r[6]] for r in results])
+            counts_RD = np.array([[float(c) for _, c in r[6]] for r in results])
+            if self.loss_cfg.mode == "megatron":   # Megatron's MTP tracker: per-(micro-batch, rank) means, averaged
+                per_depth = np.mean(sums_RD / np.maximum(counts_RD, 1.0), axis=0)
+            else:   # per_token: the step's token mean, as its objective
+                per_depth = sums_RD.sum(axis=0) / np.maximum(counts_RD.sum(axis=0), 1.0)
+            record["mtp_loss"] = float(np.mean(per_depth))
         return record, routing
 
     def evaluate(self, split: str, index: int, eval_batches: int) -> dict:

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from lingpack.config import KernelConfig, model_config as resolve_model_config  # noqa: E402
 from lingpack.kernels.attention.flash import tile_counts  # noqa: E402
 from lingpack.models.block import DecoderLayer  # noqa: E402
-from lingpack.models import ling3 as ling3_lib  # noqa: E402
+from lingpack.models import head as head_lib  # noqa: E402
 from lingpack.models.ling3 import Ling3  # noqa: E402
 from lingpack.train import flops as flops_lib  # noqa: E402
 from lingpack.train.configs import LossConfig, OptimConfig  # noqa: E402
@@ -298,12 +298,12 @@ def attention_ab(cfg, T: int, median_doc: int, repeats: int) -> dict:
 def head_impl(name: str):
     """Trace the model with its `head_matmul` ("custom") or with autodiff's plain matmul ("autodiff": the code
     before issue 15's head change); what is compiled inside keeps it."""
-    saved = ling3_lib.head_matmul
-    ling3_lib.head_matmul = saved if name == "custom" else jnp.matmul
+    saved = head_lib.head_matmul
+    head_lib.head_matmul = saved if name == "custom" else jnp.matmul
     try:
         yield
     finally:
-        ling3_lib.head_matmul = saved
+        head_lib.head_matmul = saved
 
 
 def head_ab(cfg, B: int, T: int, repeats: int) -> dict:

@@ -16,6 +16,7 @@ from lingpack.models.kda import KDA, KDAConfig, KDAKernel
 from lingpack.models.layers import MLP, RMSNorm
 from lingpack.models.mla import MLA, MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
+from lingpack.parallel.layout import BTD, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ def mix(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Ar
         h = layer.self_attn(h, segment_ids_BT)
     else:
         h = layer.self_attn(h, segment_ids_BT, positions_BT)
-    return x_BTD + h.astype(x_BTD.dtype)
+    return constrain(x_BTD + h.astype(x_BTD.dtype), BTD)
 
 
 def feed(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array):
@@ -77,7 +78,7 @@ def feed(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array):
         h, aux = layer.mlp(h, segment_ids_BT)
     else:
         h = layer.mlp(h)
-    return x_BTD + h.astype(x_BTD.dtype), aux
+    return constrain(x_BTD + h.astype(x_BTD.dtype), BTD), aux
 
 
 def parts(layer, index: tuple = (), names: tuple = MIXER_PARTS + FFN_PARTS) -> dict:

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from lingpack.kernels.kda import api as kda_api
 from lingpack.kernels.kda.segments import fits_max_segs, packing_stats, segment_starts
 from lingpack.parallel.context import ContextParallel, context_parallel
+from lingpack.parallel.layout import Layout, activation_layout
 from lingpack.parallel.reorder import restore_order, zigzag_permutation
 from lingpack.train import loss as loss_lib
 from lingpack.train import sharding as shard_lib
@@ -192,7 +193,8 @@ def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict
     `trace_routing`: statistics also hold `routing`, each micro-batch's MoE routing exactly as the step
     used it (ROUTING_KEYS, stacked [M, L_moe, ...]; see parity/routing.py).
     """
-    with context_parallel(context):
+    layout = Layout(mesh, rules) if mesh is not None else None
+    with context_parallel(context), activation_layout(layout):
         return _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings,
                            context, trace_routing)
 
@@ -216,7 +218,7 @@ def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, r
         def objective(params):
             model = model_def.merge(params, rest)
             out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
-            obj, stats = loss_lib.micro_batch_loss(out.logits_BTV, list(out.mtp_logits), out.moe_aux, mb, loss_cfg,
+            obj, stats = loss_lib.micro_batch_loss(out.head, list(out.mtp_heads), out.moe_aux, mb, loss_cfg,
                                                    totals, num_micro_batches=M, moe_z_loss_weight=moe_z_weight)
             stats["load_counts"] = out.moe_aux["load_counts"].astype(jnp.float32)
             if trace_routing and not set(ROUTING_KEYS) <= set(out.moe_aux):
@@ -315,7 +317,7 @@ def eval_loss(model_def: ModelDef, state: TrainState, batch: dict, loss_cfg: Los
     for m in range(micro_batches):
         mb = {k: v[m] for k, v in micro.items()}
         out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
-        _, stats = loss_lib.micro_batch_loss(out.logits_BTV, list(out.mtp_logits), out.moe_aux, mb, loss_cfg, totals,
+        _, stats = loss_lib.micro_batch_loss(out.head, list(out.mtp_heads), out.moe_aux, mb, loss_cfg, totals,
                                              num_micro_batches=micro_batches, moe_z_loss_weight=moe_z_weight)
         stats_sum = stats if stats_sum is None else jax.tree.map(jnp.add, stats_sum, stats)
     return loss_lib.metrics(stats_sum, loss_cfg, num_micro_batches=micro_batches)

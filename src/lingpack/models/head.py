@@ -207,9 +207,10 @@ class LMHead:
 
     def xent(self, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(cross-entropy [B, T], logsumexp [B, T]), fp32, against `targets_BT`."""
-        if not self.chunk:
-            return token_xent(self.logits(), targets_BT)
-        return chunked_xent(self.h_BTD, self.w, targets_BT, chunk=self.chunk, vocab_axis=self.vocab_axis)
+        with jax.named_scope("head_xent"):
+            if not self.chunk:
+                return token_xent(self.logits(), targets_BT)
+            return chunked_xent(self.h_BTD, self.w, targets_BT, chunk=self.chunk, vocab_axis=self.vocab_axis)
 
 
 def xent(logits_or_head, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:

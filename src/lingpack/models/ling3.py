@@ -211,24 +211,30 @@ class Ling3(nnx.Module):
             call = lambda state, *args: nnx.merge(graphdef, state)(*args)
             return jax.checkpoint(call, policy=policy)(state, *args)
 
-        emb_BTD = self.embed(inputs_BT) if input_embeddings_BTD is None else input_embeddings_BTD
-        emb_BTD = constrain(emb_BTD, BTD)  # rows stay split from here to the loss (parallel/layout.py)
+        # named scopes (embed, layer<i>, stack, head, mtp<d>) label the compiled program's ops (lingpack.hlo)
+        with jax.named_scope("embed"):
+            emb_BTD = self.embed(inputs_BT) if input_embeddings_BTD is None else input_embeddings_BTD
+            emb_BTD = constrain(emb_BTD, BTD)  # rows stay split from here to the loss (parallel/layout.py)
         x = emb_BTD
         aux = []  # per-layer MoE statistics, each with a leading layer axis
-        for layer in self.layers:
-            x, layer_aux = run(layer, x, segment_ids_BT, positions_BT)
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer{i}"):
+                x, layer_aux = run(layer, x, segment_ids_BT, positions_BT)
             aux.append(None if layer_aux is None else jax.tree.map(lambda a: a[None], layer_aux))
         if self.stack is not None:
-            x, stacked_aux = self.stack(x, segment_ids_BT, positions_BT, policy)
+            with jax.named_scope("stack"):
+                x, stacked_aux = self.stack(x, segment_ids_BT, positions_BT, policy)
             aux.append(stacked_aux)
-        head = self.head(x)
+        with jax.named_scope("head"):
+            head = self.head(x)
 
         mtp_heads, h, rolled_BTD = [], x, emb_BTD
-        for mtp_layer in self.mtp_layers:
-            rolled_BTD = roll_and_mask_by_segment(rolled_BTD, segment_ids_BT)  # embedding of token t + 1 + d
-            h, layer_aux = run(mtp_layer, h, rolled_BTD, segment_ids_BT, positions_BT)
+        for d, mtp_layer in enumerate(self.mtp_layers):
+            with jax.named_scope(f"mtp{d}"):
+                rolled_BTD = roll_and_mask_by_segment(rolled_BTD, segment_ids_BT)  # embedding of token t + 1 + d
+                h, layer_aux = run(mtp_layer, h, rolled_BTD, segment_ids_BT, positions_BT)
+                mtp_heads.append(self.head(h))
             aux.append(None if layer_aux is None else jax.tree.map(lambda a: a[None], layer_aux))
-            mtp_heads.append(self.head(h))
         return Ling3Output(head, mtp_heads, _stack_aux(aux, self.cfg.moe.num_experts), x)
 
 

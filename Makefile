@@ -1,33 +1,48 @@
 # Every target creates .venv and installs what it needs: one command on a fresh machine.
+#   make run    the package alone (what training needs)
+#   make test   + the test and parity extras (pytest, CPU torch and the reference libraries)
+#   make setup  everything, the SLURM launcher plugin too (development)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
+SETUP_STAMP := $(VENV)/.installed-setup
 
 .PHONY: run test test-all bench check-results setup clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+
+$(RUN_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(TEST_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e ".[test,parity]"
+	touch $@ $(RUN_STAMP)
+
+$(SETUP_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e ".[test,parity,slurm]"
-	touch $(STAMP)
+	touch $@ $(TEST_STAMP) $(RUN_STAMP)
 
-setup: $(STAMP)
+setup: $(SETUP_STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(PY) run.py
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile
 
-test-all: $(STAMP)
+test-all: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -m ""
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(PY) experiments/bench_kda.py
 	$(PY) experiments/bench_train.py
 
-check-results: $(STAMP)
+check-results: $(RUN_STAMP)
 	$(PY) experiments/check_results.py
 
 clean:

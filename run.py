@@ -4,18 +4,25 @@
     python run.py kernel=chunked_aligned kernel.max_segs=32
     python run.py -m kernel=chunked_aligned kernel.max_segs=8,16,32
     python run.py experiment=loss_parity            # Megatron-semantics PyTorch reference side by side
+    python run.py experiment=loss_parity_fp64       # the same in float64 on both sides (JAX x64 mode, per run)
     python run.py -m hydra/launcher=slurm ...       # from a SLURM login node (see slurm_or_tpu_launch/)
 
-A config value that cannot run prints one line (`Error: <key and fix>`) and exits with status 1, like
-Hydra's own override errors; so does a launch problem (`run.py: ...`).
+A config value, data file or device count that cannot run prints one line (`Error: <key and fix>`) and
+exits with status 1, like Hydra's own override errors; so does a launch problem (`run.py: ...`). Anything
+else is a bug of ours: its full traceback, status 1.
 """
 
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
+
+from lingpack import resolvers
+
+resolvers.register()  # before Hydra composes conf/
 
 # Variables that hold this process's rank on a multi-process launch (explicit, SLURM, TPU pod, multislice).
 RANK_VARIABLES = ("JAX_PROCESS_ID", "SLURM_PROCID", "TPU_WORKER_ID", "MEGASCALE_SLICE_ID")
@@ -24,20 +31,39 @@ RANK_VARIABLES = ("JAX_PROCESS_ID", "SLURM_PROCID", "TPU_WORKER_ID", "MEGASCALE_
 def launch_overrides(argv: list[str], environ) -> list[str]:
     """Hydra overrides run.py adds before Hydra starts; exits with one line when a launcher cannot work here.
 
-    - `hydra/launcher=slurm*` without `sbatch` on PATH: one line saying so and how to run locally.
+    - `hydra/launcher=NAME` that no config provides: one line with the choices.
+    - `hydra/launcher=slurm*` without the submitit plugin, or without `sbatch` on PATH: one line saying so
+      and how to run locally.
     - every process but the first of a multi-process launch: no `.hydra/` and no run log file (process 0
       writes them; the others log to the console only).
     """
     launcher = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra/launcher=")), "")
+    if launcher:
+        choices = launcher_choices()
+        if launcher not in choices:
+            sys.exit(f"run.py: hydra/launcher={launcher}: no such launcher; choose one of {', '.join(choices)} "
+                     "(lingpack's are in conf/hydra/launcher/)")
     if launcher.startswith("slurm") and shutil.which("sbatch") is None:
         sys.exit(f"run.py: hydra/launcher={launcher} submits SLURM jobs, but sbatch/srun are not found on this "
                  "machine; run from a SLURM login node, or drop hydra/launcher=... to run here "
                  "(see slurm_or_tpu_launch/README.md)")
+    if launcher.startswith(("slurm", "submitit")) and "submitit_slurm" not in launcher_choices():
+        sys.exit(f"run.py: hydra/launcher={launcher} needs Hydra's submitit launcher: pip install -e '.[slurm]'")
     ranks = [environ.get(v, "") for v in RANK_VARIABLES]
     ranks += [a.split("=", 1)[1] for a in argv if a.startswith("distributed.process_id=")]
     if any(rank not in ("", "0", "null") for rank in ranks):
         return ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
     return []
+
+
+def launcher_choices() -> list[str]:
+    """Every `hydra/launcher` option: Hydra's and its installed plugins' (basic, submitit_*) and conf/'s."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+    Plugins.instance()  # imports the installed plugins, which register their launcher configs
+    names = {Path(name).stem for name in ConfigStore.instance().list("hydra/launcher")}
+    names |= {path.stem for path in (Path(__file__).parent / "conf" / "hydra" / "launcher").glob("*.yaml")}
+    return sorted(names)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -52,6 +78,10 @@ def main(cfg: DictConfig) -> float:
         raise SystemExit(1) from None
     except DistributedError as err:  # a launch problem, not a bug: one line, no traceback
         sys.exit(f"run.py: {err}")
+    except Exception:  # a bug of ours: the whole traceback (Hydra's report would cut it and bury it)
+        import traceback
+        traceback.print_exc()
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

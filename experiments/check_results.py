@@ -1,9 +1,9 @@
-"""Check that every results table in README.md is the one its committed script wrote (`make check-results`).
+"""Check that every results table in README.md and docs/ is the one its committed script wrote (`make check-results`).
 
     python experiments/check_results.py [--write]
 
-A table sits in README.md between `<!-- results: NAME -->` and `<!-- /results -->`; NAME's artifact below
-is a Markdown file written by the named script. The check fails when a block differs from its artifact,
+A table sits in README.md (or, for PAGE_ARTIFACTS, in its docs page) between `<!-- results: NAME -->` and
+`<!-- /results -->`; NAME's artifact below is a Markdown file written by the named script. The check fails when a block differs from its artifact,
 when a block or artifact is missing, or when a Markdown artifact no longer renders from its JSON:
 bench_kda.md from bench_kda.json (whose derived ratios must also follow from its own timings), the Pallas
 cost reports from results.json, the loss-parity table from results.json, whose rows must match each run's
@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = {   # README block -> (artifact, the committed script that writes it)
     "bench_kda": ("experiments/results/bench_kda.md", "experiments/bench_kda.py"),
     "phantom_overhead": ("experiments/phantom_overhead/results/results.md", "experiments/phantom_overhead/sweep.py"),
-    "loss_parity": ("experiments/loss_parity/results/results.md", "experiments/loss_parity/run_parity.py"),
     "make_run": ("experiments/make_run/results/results.md", "experiments/make_run/run_default.py"),
     "context_parallel": ("experiments/context_parallel/results/results.md", "experiments/context_parallel/bench.py"),
     "pallas_cost": ("experiments/pallas_cost/readme.md", "experiments/pallas_cost/cost_model.py"),
@@ -33,6 +32,10 @@ ARTIFACTS = {   # README block -> (artifact, the committed script that writes it
                             "experiments/context_parallel/fold_vs_scan.py"),
     "context_schedule": ("experiments/context_parallel/results/context_schedule.md",
                          "experiments/context_parallel/context_schedule.py"),
+}
+PAGE_ARTIFACTS = {   # docs page block -> (page, artifact, the committed script that writes both)
+    "loss_parity": ("docs/parity.md", "experiments/loss_parity/results/results.md",
+                    "experiments/loss_parity/run_parity.py"),
 }
 BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
 
@@ -65,27 +68,45 @@ def _pallas_problems() -> list[str]:
 
 
 def _loss_parity_problems() -> list[str]:
-    """results.md renders from results.json, whose rows are the runs' own summaries, one per variant of the script."""
+    """results.md renders from results.json, whose rows are the runs' own records (`run_parity.row_of` of each run
+    directory), one per variant of the script."""
     sys.path.insert(0, str(ROOT / "experiments" / "loss_parity"))
-    from run_parity import VARIANTS, run_dir_of, table
+    from run_parity import VARIANTS, row_of, run_dir_of, table
     out = ROOT / "experiments" / "loss_parity" / "results"
     rows, problems = json.loads((out / "results.json").read_text()), []
     if table(rows) != (out / "results.md").read_text():
         problems.append("experiments/loss_parity/results/results.md does not render from results.json")
     named = {r["variant"].removesuffix(" (previous run)") for r in rows}
-    problems += [f"loss parity: no row for the variant {v!r}: python experiments/loss_parity/run_parity.py --reuse"
+    problems += [f"loss parity: no row for the variant {v!r}: python experiments/loss_parity/run_parity.py --only {v!r}"
                  for v in VARIANTS if v not in named]
     for r in rows:
-        summary = json.loads((run_dir_of(r["variant"], out) / "summary.json").read_text())
-        if (r["max_rel_diff"], r["mean_rel_diff"], r["steps"]) != (
-                summary["parity_max_rel"], summary["parity_mean_rel"], summary["parity_steps"]):
-            problems.append(f"loss parity row {r['variant']!r} differs from its run's summary.json")
+        name = r["variant"].removesuffix(" (previous run)")
+        if name in VARIANTS and json.loads(json.dumps(row_of(name, VARIANTS[name][1], run_dir_of(name, out)))) != r:
+            problems.append(f"loss parity row {r['variant']!r} differs from its run's files (summary.json, parity/)")
     return problems
 
 
-def problems(readme: str) -> list[str]:
+def page_problems(pages: dict[str, str]) -> list[str]:
+    """Each PAGE_ARTIFACTS block is in its docs page (`pages`: path -> text) and equal to its artifact."""
+    out = []
+    for name, (page, artifact, script) in PAGE_ARTIFACTS.items():
+        found = {m.group(2): m.group(3) for m in BLOCK.finditer(pages.get(page, ""))}
+        if name not in found:
+            out.append(f"{page} lacks the block <!-- results: {name} --> ... <!-- /results --> for {artifact}")
+        elif found[name] != (ROOT / artifact).read_text():
+            out.append(f"{page}'s {name!r} block differs from {artifact} (written by {script}, which rewrites it)")
+    return out
+
+
+def read_pages() -> dict[str, str]:
+    return {page: (ROOT / page).read_text() for page, _, _ in PAGE_ARTIFACTS.values() if (ROOT / page).exists()}
+
+
+def problems(readme: str, pages: dict[str, str] | None = None) -> list[str]:
+    """Every problem of README.md's blocks and of the docs pages' (`pages`: path -> text; None reads them)."""
     found = {m.group(2): m.group(3) for m in BLOCK.finditer(readme)}
-    out = [f"README.md has a results block {name!r} with no artifact" for name in sorted(set(found) - set(ARTIFACTS))]
+    extra = set(found) - set(ARTIFACTS) - set(PAGE_ARTIFACTS)   # a README copy of a page's block is not its home
+    out = [f"README.md has a results block {name!r} with no artifact" for name in sorted(extra)]
     for name, (artifact, script) in ARTIFACTS.items():
         path = ROOT / artifact
         if not path.exists():
@@ -95,11 +116,13 @@ def problems(readme: str) -> list[str]:
         elif found[name] != path.read_text():
             out.append(f"README.md's {name!r} block differs from {artifact} (written by {script});"
                        " python experiments/check_results.py --write copies it in")
+    out += page_problems(read_pages() if pages is None else pages)
     return out + _bench_problems() + _pallas_problems() + _loss_parity_problems()
 
 
 def write(readme: str) -> str:
-    return BLOCK.sub(lambda m: m.group(1) + (ROOT / ARTIFACTS[m.group(2)][0]).read_text() + m.group(4), readme)
+    return BLOCK.sub(lambda m: m.group(1) + (ROOT / ARTIFACTS[m.group(2)][0]).read_text() + m.group(4)
+                     if m.group(2) in ARTIFACTS else m.group(0), readme)
 
 
 def main() -> int:

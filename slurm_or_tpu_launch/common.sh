@@ -37,3 +37,24 @@ die() {
   echo "$(basename "$0"): $*" >&2
   exit 2
 }
+
+warn() {
+  echo "$(basename "$0"): warning: $*" >&2
+}
+
+# The TPU software (runtime) version Google publishes for an accelerator type (cloud.google.com/tpu/docs/runtimes).
+runtime_for() {
+  case $1 in
+    v6e-*) echo v2-alpha-tpuv6e ;;
+    v5p-*) echo v2-alpha-tpuv5 ;;
+    v5litepod-*|v5e-*) echo v2-alpha-tpuv5-lite ;;
+    v4-*|v3-*|v2-*) echo tpu-ubuntu2204-base ;;
+    *) return 1 ;;
+  esac
+}
+
+# Whether a slice spans several TPU VMs: more than 8 chips (v5e, v6e) or TensorCores (v5p, v4 and older).
+is_multi_host() {
+  local size=${1##*-}
+  [[ $size =~ ^[0-9]+$ ]] && (( size > 8 ))
+}

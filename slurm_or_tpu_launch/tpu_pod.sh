@@ -19,8 +19,10 @@ usage: tpu_pod.sh --name NAME --zone ZONE [options] [-- run.py overrides...]
   --name NAME              TPU VM (and queued resource) name
   --zone ZONE              e.g. us-east5-a
   --project PROJECT        default: gcloud's configured project
-  --accelerator-type TYPE  default v5litepod-16 (4 hosts)
-  --version VERSION        TPU software version, default v2-alpha-tpuv5-lite
+  --accelerator-type TYPE  default v5litepod-16 (multi-host); v5litepod-N, v5p-N, v6e-N, v4-N, ...
+  --version VERSION        TPU software (runtime) version; default follows the accelerator:
+                           v5e v2-alpha-tpuv5-lite, v5p v2-alpha-tpuv5, v6e v2-alpha-tpuv6e,
+                           v4 and older tpu-ubuntu2204-base
   --queued                 request the TPU through a queued resource and wait until it is ACTIVE
   --spot                   spot (preemptible) capacity
   --skip-create            use an existing TPU VM
@@ -34,7 +36,7 @@ usage: tpu_pod.sh --name NAME --zone ZONE [options] [-- run.py overrides...]
 USAGE
 }
 
-NAME="" ZONE="" PROJECT="" TYPE="v5litepod-16" VERSION="v2-alpha-tpuv5-lite" QUEUED=0 SPOT=0
+NAME="" ZONE="" PROJECT="" TYPE="v5litepod-16" VERSION="" QUEUED=0 SPOT=0
 CREATE=1 SETUP=1 RUN_DIR="" CKPT_DIR="" REMOTE_DIR="lingpack" DELETE=0
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -60,8 +62,12 @@ done
 [[ -n $NAME ]] || die "--name is required"
 [[ -n $ZONE ]] || die "--zone is required"
 command -v gcloud >/dev/null || [[ $DRY_RUN == 1 ]] || die "gcloud is not on PATH (install the Google Cloud SDK)"
+[[ -n $VERSION ]] || VERSION=$(runtime_for "$TYPE") || die "no default --version for --accelerator-type $TYPE: give --version (see https://cloud.google.com/tpu/docs/runtimes)"
 RUN_DIR=${RUN_DIR:-outputs/$NAME-$(date -u +%Y%m%d-%H%M%S)}
 CKPT_DIR=${CKPT_DIR:-$RUN_DIR/checkpoints}
+if is_multi_host "$TYPE" && [[ $CKPT_DIR != gs://* ]]; then
+  warn "$TYPE is multi-host, but the checkpoint directory $CKPT_DIR is not a gs:// path: on each worker's own disk every worker would hold only its shards and no restore could read them; give --ckpt-dir gs://BUCKET/PATH (or a mount all workers share)"
+fi
 
 LOCATION=(--zone="$ZONE")
 [[ -n $PROJECT ]] && LOCATION+=(--project="$PROJECT")

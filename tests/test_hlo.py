@@ -36,3 +36,30 @@ def test_a_loop_multiplies_by_its_trip_count_and_result_dims_are_read():
     reduces = [op for op in ops if op.kind == "all-reduce"]
     assert unknown == 0 and [(op.times, op.dims, op.bytes) for op in reduces] == [(5, [(16, 64)], 16 * 64 * 4)]
     assert hlo.collectives(text)["by_kind"]["all-reduce"]["count"] == 5
+
+
+def test_matmul_flops_count_every_trip_and_a_weighted_conditional_counts_its_share():
+    """3 trips of two [64, 128] x [128, 32]-sized matmuls; then a loop of 4 trips whose cond takes a branch of two
+    such matmuls or one of none: every branch counted by default, by the given share with `branch_weights`."""
+    x, w = jnp.ones((64, 128)), jnp.ones((128, 32))
+    looped = jax.jit(lambda x, w: jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ w) @ w.T + 1, x))
+    compiled = looped.lower(x, w).compile()
+    one = 2 * 64 * 128 * 32
+    assert hlo.dot_flops(compiled.as_text()) == 3 * 2 * one
+    assert compiled.cost_analysis()["flops"] < 3 * 2 * one        # XLA's count: the loop body once
+
+    def body(i, y):
+        return jax.lax.cond(i % 4 == 3, lambda y: jnp.tanh(y @ w) @ w.T, lambda y: jnp.sin(y), y)
+    text = jax.jit(lambda x: jax.lax.fori_loop(0, 4, body, x)).lower(x).compile().as_text()
+    share = lambda op, source: [0.75, 0.25] if source and source.startswith(__file__) else None
+    assert hlo.dot_flops(text) == 4 * 2 * one                     # as if the matmul branch ran every trip
+    assert hlo.dot_flops(text, share) == 4 * 0.25 * 2 * one      # the trips that take it
+
+
+def test_memory_traffic_counts_an_in_place_row_update_at_the_row_size():
+    """64 trips writing one 4 KiB row of a 256 KiB buffer: about 2 x 4 KiB a trip, not the whole buffer."""
+    def body(i, buf):
+        return jax.lax.dynamic_update_slice(buf, jnp.full((1, 1024), i, jnp.float32), (i, 0))
+    text = jax.jit(lambda b: jax.lax.fori_loop(0, 64, body, b)).lower(jnp.zeros((64, 1024))).compile().as_text()
+    whole = 64 * 1024 * 4
+    assert 64 * 4096 <= hlo.memory_traffic(text) < 64 * whole / 8

@@ -1,35 +1,46 @@
 """Regenerate the loss-parity table: lingpack vs the Megatron-semantics PyTorch reference.
 
-    python experiments/loss_parity/run_parity.py [--steps 50] [--out experiments/loss_parity/results]
+    python experiments/loss_parity/run_parity.py [--steps 50] [--only NAME ...] [--reuse] [--table-only]
 
-Runs `python run.py experiment=loss_parity` on the default Ling3 (lower-bound gate, RoPE MLA, MTP) and, as
-KimiLinear alone expresses it (softplus gate, NoPE MLA, no MTP), in fp32 (routing free and routing-locked),
-with dense FFNs and with bf16 compute (fp32 master weights), all against the fp32 reference, and writes
-`results.md` (the README's table, `table(rows of results.json)`), `results.json` and the plots. Each MoE
-variant also traces routing on both sides: the first step where the two sides' expert selections differ,
-its MoE layer and the decision margin of the flipped tokens (`<run>/parity/routing.json`). Both sides
-evaluate the valid split every `train.eval_every` steps and, at the end, the valid and test splits on the same
-samples (`<run>/parity/validation_parity.csv`): the validation column is the largest relative difference.
-`--reuse --steps 10` added the "default Ling3 fp32" row (10 steps) beside the earlier 50-step runs.
+Each variant is one `python run.py experiment=loss_parity[_fp64] ...` run (its directory under `results/`):
+the default Ling3 (lower-bound gate, RoPE MLA, MTP) and the model as KimiLinear alone expresses it (softplus
+gate, NoPE MLA, no MTP), in float64 on both sides (`experiment=loss_parity_fp64`), in fp32 (routing free and
+routing-locked), with dense FFNs, and with bf16 compute against the fp32 reference. Every MoE variant traces
+routing on both sides (`<run>/parity/routing.json`: the first step whose expert selections differ, its MoE
+layer, the flipped tokens' decision margin); every variant compares the MTP and router z-loss terms per step
+(`<run>/parity/terms.csv`) and the evaluations on the valid and test splits (`<run>/parity/validation_parity.csv`).
+Writes `results.json` (one row per variant, from the runs' summaries), `results.md` (the table, `table(rows)`)
+and the table into docs/parity.md between its `<!-- results: loss_parity -->` markers. Every run directory
+records the commit it measured (`commit.json`; a source snapshot made by `git archive` names its commit in a
+`COMMIT` file at its root).
+`--only` reruns the named variants and keeps the others' runs; `--reuse` keeps every variant whose run directory
+has a summary. The table holds a row for every variant that has a run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "parity.md"   # the user page holding the table (between its results markers)
 KIMI = ["model.mtp_num_layers=0", "model.kda.lower_bound=null", "model.mla.rope_type=none"]  # KimiLinear's model
-VARIANTS = {  # name -> (overrides, relative tolerance); every variant runs against the fp32 reference
-    "fp32": (KIMI + ["model.dtype=float32"], 1e-4),
-    "fp32 routing locked": (KIMI + ["model.dtype=float32", "parity.lock_routing=true"], 1e-4),
-    "fp32 dense FFN": (KIMI + ["model.dtype=float32", "model.first_dense_layers=4"], 1e-4),
-    "bf16 compute": (KIMI + ["model.dtype=bfloat16"], 1e-2),
-    "default Ling3 fp32": (["model.dtype=float32"], 1e-4),   # safe gate, RoPE MLA, MTP: the model users train
+FP32, BF16, FP64 = ["model.dtype=float32"], ["model.dtype=bfloat16"], ["experiment=loss_parity_fp64"]
+LOCKED = ["parity.lock_routing=true"]
+VARIANTS = {  # name -> (overrides, relative tolerance); fp64 rows run float64 on both sides, the others fp32
+    "default Ling3 float64": (FP64, 1e-9),
+    "KimiLinear float64": (FP64 + KIMI, 1e-9),
+    "default Ling3 fp32": (FP32, 1e-4),
+    "default Ling3 fp32 routing locked": (FP32 + LOCKED, 1e-4),
+    "KimiLinear fp32": (FP32 + KIMI, 1e-4),
+    "KimiLinear fp32 routing locked": (FP32 + KIMI + LOCKED, 1e-4),
+    "KimiLinear fp32 dense FFN": (FP32 + KIMI + ["model.first_dense_layers=4"], 1e-4),
+    "KimiLinear bf16 compute": (BF16 + KIMI, 1e-2),   # bf16 compute, fp32 master weights, fp32 reference
 }
 
 
@@ -37,41 +48,86 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default=str(ROOT / "experiments" / "loss_parity" / "results"))
-    parser.add_argument("--reuse", action="store_true", help="keep variants whose run directory has a summary")
+    parser.add_argument("--reuse", action="store_true", help="keep every variant whose run directory has a summary")
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run these variants, keep the others' runs")
+    parser.add_argument("--table-only", action="store_true", help="run nothing: the table from the runs in --out")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
     for name, (overrides, tolerance) in VARIANTS.items():
         run_dir = run_dir_of(name, out)
-        if not (args.reuse and (run_dir / "summary.json").exists()):
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run_variant(run_dir, overrides, tolerance, args.steps)
-        summary = json.loads((run_dir / "summary.json").read_text())
-        stale = "parity_lock_routing" not in summary  # written before the routing trace existed (--reuse)
-        rows.append({"variant": name + (" (previous run)" if stale else ""), "steps": summary["parity_steps"],
-                     "first_lm_loss": summary["first_lm_loss"],
-                     "final_lm_loss": summary["final_lm_loss"], "max_rel_diff": summary["parity_max_rel"],
-                     "mean_rel_diff": summary["parity_mean_rel"], "tolerance": tolerance,
-                     "first_step_over": _first_over(run_dir, tolerance),
-                     "passed": summary["parity_max_rel"] <= tolerance, **_routing(run_dir),
-                     "val_max_rel_diff": summary.get("val_parity_max_rel"),
-                     "val_evaluations": summary.get("val_parity_evaluations")})
-    (out / "results.md").write_text(table(rows))
-    (out / "results.json").write_text(json.dumps(rows, indent=2))
+        kept = args.reuse and (run_dir / "summary.json").exists()
+        if args.table_only or (args.only and name not in args.only) or kept:
+            continue
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_variant(run_dir, overrides, tolerance, args.steps)
+    rows = [row_of(name, tolerance, run_dir_of(name, out)) for name, (_, tolerance) in VARIANTS.items()
+            if (run_dir_of(name, out) / "summary.json").exists()]   # a variant not run yet has no row
+    write(rows, out)
     print(table(rows))
 
 
+def row_of(name: str, tolerance: float, run_dir: Path) -> dict:
+    """results.json's row of one variant, from its run's summary and parity files."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stale = "parity_reference_dtype" not in summary  # a run of an earlier harness (no terms, no dtype record)
+    commit = run_dir / "commit.json"
+    return {"variant": name + (" (previous run)" if stale else ""),
+            "commit": json.loads(commit.read_text())["commit"] if commit.exists() else None,
+            "steps": summary["parity_steps"],
+            "dtypes": _dtypes(summary),
+            "first_lm_loss": summary["first_lm_loss"], "final_lm_loss": summary["final_lm_loss"],
+            "max_rel_diff": summary["parity_max_rel"], "mean_rel_diff": summary["parity_mean_rel"],
+            "mtp_max_rel_diff": summary.get("mtp_parity_max_rel"),
+            "moe_z_max_rel_diff": summary.get("moe_z_parity_max_rel"),
+            "tolerance": tolerance, "first_step_over": _first_over(run_dir, tolerance),
+            "passed": summary["parity_max_rel"] <= tolerance, **_routing(run_dir),
+            "val_max_rel_diff": summary.get("val_parity_max_rel"),
+            "val_evaluations": summary.get("val_parity_evaluations")}
+
+
+def _dtypes(summary: dict) -> str:
+    """'<lingpack compute> (<master> master) / <reference>' as the run recorded them (its arrays' dtypes)."""
+    compute, master = summary.get("parity_lingpack_compute_dtype", "?"), summary.get("master_dtypes", "?")
+    ours = compute if master == compute else f"{compute} ({master} master)"
+    return f"{ours} / {summary.get('parity_reference_param_dtypes', '?')}"
+
+
+def write(rows: list[dict], out: Path) -> None:
+    """results.json, results.md and the table in docs/parity.md (its results block replaced)."""
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    (out / "results.md").write_text(table(rows))
+    if PAGE.exists():
+        PAGE.write_text(with_table(PAGE.read_text(), table(rows)))
+
+
+def with_table(page: str, rendered: str) -> str:
+    """`page` with its `<!-- results: loss_parity -->` block holding `rendered` (the markers must be there)."""
+    block = re.compile(r"(<!-- results: loss_parity -->\n).*?(<!-- /results -->)", re.S)
+    if not block.search(page):
+        raise ValueError(f"{PAGE} lacks the <!-- results: loss_parity --> ... <!-- /results --> block")
+    return block.sub(lambda m: m.group(1) + rendered + m.group(2), page)
+
+
+def _cell(value, fmt: str = ".2e") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def table(rows: list[dict]) -> str:
-    """results.md (the README's table) from results.json's rows."""
-    lines = ["| variant | steps | lm loss first -> last | max rel diff | mean rel diff | target | first step over target "
+    """results.md (the table of docs/parity.md) from results.json's rows."""
+    lines = ["| variant | lingpack commit | steps | dtypes: lingpack / reference | lm loss first -> last "
+             "| max rel diff | mean rel diff | MTP max rel diff | router z-loss max rel diff | target "
+             "| first step over target "
              "| first routing flip: step (layer), margin | rel diff before flip -> worst after "
              "| validation max rel diff (evaluations) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['steps']} | {r['first_lm_loss']:.4f} -> {r['final_lm_loss']:.4f} | "
-                     f"{r['max_rel_diff']:.2e} | {r['mean_rel_diff']:.2e} | <= {r['tolerance']:g} | "
-                     f"{r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} | {_validation(r)} |")
+        lines.append(f"| {r['variant']} | {r.get('commit') or '-'} | {r['steps']} | {r.get('dtypes', '?')} | "
+                     f"{r['first_lm_loss']:.4f} -> {r['final_lm_loss']:.4f} | {r['max_rel_diff']:.2e} | "
+                     f"{r['mean_rel_diff']:.2e} | "
+                     f"{_cell(r.get('mtp_max_rel_diff'))} | {_cell(r.get('moe_z_max_rel_diff'))} | "
+                     f"<= {r['tolerance']:g} | {r['first_step_over'] or 'none'} | {r['flip']} | {r['around_flip']} | "
+                     f"{_validation(r)} |")
     if any(r.get("val_evaluations") is None for r in rows):
         lines.append("\nnot evaluated: the run predates the reference's evaluation (rerun the variant to fill it).")
     if any(r["variant"].endswith("(previous run)") for r in rows):
@@ -115,11 +171,29 @@ def _first_over(run_dir: Path, tolerance: float):
 
 
 def run_variant(run_dir: Path, overrides: list, tolerance: float, steps: int) -> None:
-    cmd = [sys.executable, str(ROOT / "run.py"), "experiment=loss_parity", f"train.steps={steps}",
+    experiment = [o for o in overrides if o.startswith("experiment=")] or ["experiment=loss_parity"]
+    cmd = [sys.executable, str(ROOT / "run.py"), *experiment, f"train.steps={steps}",
            f"data.num_samples={steps * 8}", f"parity.tolerance={tolerance}", "logger=none",
-           "train.progress_bar=false", f"hydra.run.dir={run_dir}", *overrides]
+           "train.progress_bar=false", f"hydra.run.dir={run_dir}",
+           *(o for o in overrides if not o.startswith("experiment="))]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
+    (run_dir / "commit.json").write_text(json.dumps({"commit": source_commit()}) + "\n")
+
+
+def source_commit() -> str:
+    """The commit of the code this script runs: git's HEAD (+ "-dirty" with uncommitted changes), or the COMMIT
+    file of a `git archive` snapshot."""
+    if (ROOT / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    if (ROOT / "COMMIT").exists():
+        return (ROOT / "COMMIT").read_text().strip()
+    raise RuntimeError(f"{ROOT} is neither a git checkout nor a snapshot with a COMMIT file: its runs would name "
+                       "no code")
 
 
 if __name__ == "__main__":

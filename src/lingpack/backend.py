@@ -8,8 +8,9 @@ the program a TPU run would build (Mosaic kernels, not interpret mode):
         exported = jax.export.export(step, platforms=["tpu"])(state, batch)
 
 Outside any `target(...)` the platform is `jax.default_backend()` ("cuda"/"rocm" read as "gpu").
-The choices that read it: Pallas interpret mode (`pallas_interpret`), the MoE grouped matmul, and any
-`auto` implementation choice.
+The choices that read it: Pallas interpret mode (`pallas_interpret`), the MoE grouped matmul
+(`models/moe.py`) and `attention_impl: auto` (`kernels/attention/api.py`); docs/kernels.md lists each
+platform's side.
 """
 
 from __future__ import annotations
@@ -60,18 +61,26 @@ def current() -> str:
     return chosen if chosen is not None else _normalise(jax.default_backend())
 
 
-def pallas_interpret(requested: bool | None, *, kernel: str, alternative: str) -> bool:
-    """Whether a Pallas TPU kernel runs in interpret mode.
+LOWERINGS = {"tpu": "TPU (Mosaic)", "gpu": "GPU (Triton)"}   # the Pallas backend each native platform lowers through
+
+
+def pallas_interpret(requested: bool | None, *, kernel: str, alternative: str, native: str = "tpu",
+                     emulate: str | None = "set kernel.interpret=true to emulate it") -> bool:
+    """Whether a Pallas kernel written for `native` ("tpu": Mosaic, "gpu": Triton) runs in interpret mode.
 
     `requested` is what the user or a test asked (`kernel.interpret`): True interprets anywhere, False
-    lowers through Mosaic (on a CPU host: for export to TPU). None takes the platform's side: Mosaic on
-    TPU, interpret mode on CPU (tests), and on GPU a ConfigError naming `alternative`: a TPU kernel there
+    lowers for `native` (on a CPU host: for export). None takes the platform's side: the real kernel on
+    `native`, interpret mode on CPU (tests), and on any other accelerator a ConfigError naming
+    `alternative` (and `emulate`, how to ask for emulation anyway): the kernel has no lowering there and
     would only be emulated op by op.
     """
     if requested is not None:
         return bool(requested)
     platform = current()
-    if platform == "gpu":
-        raise ConfigError(f"{kernel} is a Pallas TPU (Mosaic) kernel and has no GPU lowering; use {alternative} "
-                          "on GPU (or set kernel.interpret=true to emulate it, for debugging only)")
-    return platform != "tpu"
+    if platform == native:
+        return False
+    if platform == "cpu":
+        return True
+    hint = f" (or {emulate}, for debugging only)" if emulate else ""
+    raise ConfigError(f"{kernel} is a Pallas {LOWERINGS[native]} kernel and has no {platform.upper()} lowering; use "
+                      f"{alternative} on {platform.upper()}{hint}")

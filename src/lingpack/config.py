@@ -12,6 +12,7 @@ import os
 import types
 import typing
 
+from lingpack import resolvers
 from lingpack.data.config import DataConfig
 from lingpack.distributed import DistributedConfig
 from lingpack.errors import ConfigError  # noqa: F401  (re-exported: callers catch it from here too)
@@ -20,6 +21,8 @@ from lingpack.kernels.kda import gate as kda_gate
 from lingpack.models.ling3 import Ling3Config, config_from_dict
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.schedule import ContextSchedule
+
+resolvers.register()  # conf/ uses them; tests and tools compose through Hydra after importing this module
 
 LOGGER_KINDS = ("wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -57,6 +60,7 @@ class LoggerConfig:
     job_type: str = "train"
     tags: tuple[str, ...] = ()
     console_every: int = 0   # full-metrics console line every N steps; 0 = off (the loop logs one line per step)
+    quiet: bool = True       # W&B's own console output off (one line says where the run is instead)
 
     def __post_init__(self):
         if self.kind not in LOGGER_KINDS:
@@ -72,6 +76,18 @@ class ParityConfig:
     tolerance: float = 1e-4
     megatron_log: str | None = None  # compare against an imported Megatron-LM log as well
     lock_routing: bool = False       # the reference uses lingpack's expert selections (parity/harness.py)
+    reference_dtype: str | None = None  # float32 | float64; None: float64 for a float64 model, else float32
+    # torch threads of the reference (None: torch's default). Its ops are small (one document per row): with more
+    # threads OpenMP spins against JAX's; one thread took 10x less CPU time per step on a shared 2-core machine.
+    reference_threads: int | None = 1
+
+    def __post_init__(self):
+        if self.reference_threads is not None and self.reference_threads < 1:
+            raise ConfigError(f"parity.reference_threads={self.reference_threads} must be >= 1 or null "
+                              "(torch's default)")
+        if self.reference_dtype not in (None, "float32", "float64"):
+            raise ConfigError(f"parity.reference_dtype={self.reference_dtype!r} is not one of float32, float64 or "
+                              "null (null: float64 when model.dtype is float64, else float32)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +107,7 @@ class RunConfig:
     run_dir: str
     schedule: ContextSchedule = ContextSchedule()   # progressive context stages (experiment=context_schedule)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    notes: tuple[str, ...] = ()   # what the config check found worth saying once at start (e.g. no test split)
 
 
 def _is_instance(value, annotation) -> bool:
@@ -146,8 +163,21 @@ def _data_config(values: dict, seed_dir: str) -> DataConfig:
     paths = [_bundled(p, cache_dir) if str(p).startswith("bundled") else p for p in paths]
     values["paths"] = tuple(paths)
     if values.get("source", "megatron") == "megatron" and paths:
+        _check_data_files(values)  # a missing or truncated file is named before anything read from it
         _follow_tokenizer_record(values)
     return make(DataConfig, values, "data")
+
+
+def _check_data_files(values: dict) -> None:
+    """Open every dataset prefix: its `.bin`/`.idx` exist and hold what the index says (IndexedDatasetError)."""
+    from lingpack.data.indexed import IndexedDataset
+    from lingpack.data.indices import parse_blend
+    try:
+        prefixes, _ = parse_blend(values["paths"])
+    except ValueError as err:
+        raise ConfigError(f"data.paths: {err}") from err
+    for prefix in prefixes:
+        IndexedDataset(prefix)
 
 
 def _follow_tokenizer_record(values: dict) -> None:
@@ -195,14 +225,56 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int =
     return -(-vocab_size // multiple) * multiple
 
 
-def _blend_samples(data: DataConfig, train: TrainConfig) -> DataConfig:
-    """A weighted blend needs a sample count: Megatron's, train iterations x global batch size, unless set."""
-    from lingpack.data.indices import parse_blend
-    if data.source != "megatron" or not data.paths or data.num_samples or data.num_epochs:
-        return data
-    if parse_blend(data.paths)[1] is None:
+def _train_samples(data: DataConfig, train: TrainConfig) -> DataConfig:
+    """Megatron's training sample count, train iterations x global batch size, unless num_samples or
+    num_epochs is set: a run longer than one epoch reads the next epochs, as Megatron's does."""
+    if (data.source != "synthetic" and not data.paths) or data.num_samples or data.num_epochs:
         return data
     return dataclasses.replace(data, num_samples=train.steps * data.global_batch_size)
+
+
+def _check_batch_shape(data: DataConfig, train: TrainConfig, loss, parallel: ParallelConfig,
+                       schedule: ContextSchedule) -> None:
+    """What the config alone decides about a batch: micro-batch split, loss groups, context-parallel rows."""
+    from lingpack.parallel.reorder import check_length
+    B, M = data.global_batch_size, train.micro_batches
+    if B % M:
+        raise ConfigError(f"data.global_batch_size={B} does not split into train.micro_batches={M}; make it a "
+                          f"multiple of {M}")
+    if (B // M) % loss.megatron_dp_size:
+        raise ConfigError(f"a micro-batch of {B // M} rows (data.global_batch_size / train.micro_batches) does not "
+                          f"split into loss.megatron_dp_size={loss.megatron_dp_size} groups")
+    if parallel.context > 1:
+        lengths = [stage.seq_length for stage in schedule.stages] if schedule.enabled else [data.seq_length]
+        for length in lengths:
+            try:
+                check_length(length, parallel.context, parallel.load_balance)
+            except ValueError:
+                parts = 2 * parallel.context if parallel.load_balance else parallel.context
+                where = "a schedule stage's seq_length" if schedule.enabled else "data.seq_length"
+                raise ConfigError(
+                    f"{where}={length} does not divide into {parts} chunks (parallel.context={parallel.context}"
+                    f"{' x 2, parallel.load_balance=true' if parallel.load_balance else ''}); make it a multiple of "
+                    f"{parts}, or change parallel.context") from None
+
+
+def _check_data_budget(data: DataConfig, train: TrainConfig, schedule: ContextSchedule) -> tuple[TrainConfig, tuple]:
+    """The data against what the run reads (data/budget.py); a test split too small skips the test evaluation."""
+    from lingpack.data import budget
+    from lingpack.train.evaluate import split_sample_counts
+    splits = ("valid", "test") if train.eval_test else ("valid",)
+    counts = split_sample_counts(train, data.global_batch_size) if train.eval_every else {}
+    evaluated = {split: counts[split] for split in splits} if train.eval_every else {}
+    lengths = [stage.seq_length for stage in schedule.stages] if schedule.enabled else [data.seq_length]
+    notes, test = [], True
+    for length in dict.fromkeys(lengths):
+        more, stage_test = budget.check(dataclasses.replace(data, seq_length=length),
+                                        train_samples=train.steps * data.global_batch_size, eval_samples=evaluated)
+        notes += [n for n in more if n not in notes]
+        test = test and stage_test
+    if "test" in evaluated and not test:
+        train = dataclasses.replace(train, eval_test=False)
+    return train, tuple(notes)
 
 
 def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tensor_parallel: int = 1) -> Ling3Config:
@@ -220,8 +292,12 @@ def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tenso
         raise ConfigError(f"model: {err}") from err
 
 
-def build(cfg: dict, run_dir: str) -> RunConfig:
-    """A resolved plain-dict config (OmegaConf.to_container(cfg, resolve=True)) -> RunConfig."""
+def build(cfg: dict, run_dir: str, *, open_data: bool = True) -> RunConfig:
+    """A resolved plain-dict config (OmegaConf.to_container(cfg, resolve=True)) -> RunConfig.
+
+    `open_data=False` skips the check of the data files against the run's sample counts (data/budget.py),
+    for tools that study the program without its data (the planner, exports).
+    """
     known = {"name", "seed", "model", "kernel", "data", "loss", "optim", "parallel", "checkpoint", "train",
              "logger", "parity", "schedule", "distributed", "hydra"}
     unknown = sorted(set(cfg) - known)
@@ -237,14 +313,60 @@ def build(cfg: dict, run_dir: str) -> RunConfig:
     train_values = dict(cfg.get("train") or {})
     train_values.setdefault("seed", cfg.get("seed", 0))
     train = make(TrainConfig, train_values, "train")
-    data = _blend_samples(data, train)
+    data = _train_samples(data, train)
+    loss = make(LossConfig, cfg.get("loss"), "loss")
+    schedule = make(ContextSchedule, cfg.get("schedule"), "schedule")
+    _check_batch_shape(data, train, loss, parallel, schedule)
+    train, notes = _check_data_budget(data, train, schedule) if open_data else (train, ())
     optim_values = dict(cfg.get("optim") or {})
     return RunConfig(
         name=str(cfg.get("name", "run")), seed=int(cfg.get("seed", 0)), model=model, kernel=kernel, data=data,
-        loss=make(LossConfig, cfg.get("loss"), "loss"), optim=make(OptimConfig, optim_values, "optim"),
+        loss=loss, optim=make(OptimConfig, optim_values, "optim"),
         parallel=parallel,
         checkpoint=make(CheckpointConfig, cfg.get("checkpoint"), "checkpoint"),
         train=train, logger=make(LoggerConfig, cfg.get("logger"), "logger"),
         parity=make(ParityConfig, cfg.get("parity"), "parity"), run_dir=run_dir,
-        schedule=make(ContextSchedule, cfg.get("schedule"), "schedule"),
-        distributed=make(DistributedConfig, cfg.get("distributed"), "distributed"))
+        schedule=schedule, distributed=make(DistributedConfig, cfg.get("distributed"), "distributed"),
+        notes=notes)
+
+
+def find_config_dir(config_dir: str | None = None) -> str:
+    """conf/ of the run: `config_dir`, else ./conf (where run.py is started), else the checkout's conf/."""
+    from pathlib import Path
+    checkout = Path(__file__).resolve().parents[2] / "conf"   # src/lingpack/config.py -> <checkout>/conf
+    candidates = [Path(config_dir)] if config_dir else [Path.cwd() / "conf", checkout]
+    for candidate in candidates:
+        if (candidate / "config.yaml").is_file():
+            return str(candidate.resolve())
+    raise ConfigError(f"no run config (config.yaml) in {' or '.join(map(str, candidates))}: run from the lingpack "
+                      "checkout or pass --config-dir DIR")
+
+
+def compose(overrides: list[str], *, run_dir: str, config_dir: str | None = None) -> dict:
+    """The plain config `python run.py OVERRIDES` would run, resolved, with `run_dir` as its run directory.
+
+    Hydra's own errors (an unknown group option, a missing `+`) become a ConfigError with Hydra's message.
+    """
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        with initialize_config_dir(config_dir=find_config_dir(config_dir), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        plain = OmegaConf.to_container(cfg, resolve=False)
+        plain.pop("hydra", None)
+        plain = _replace_run_dir(plain, run_dir)  # ${hydra:runtime.output_dir} exists only under run.py
+        return OmegaConf.to_container(OmegaConf.create(plain), resolve=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+
+
+def _replace_run_dir(value, run_dir: str):
+    if isinstance(value, dict):
+        return {k: _replace_run_dir(v, run_dir) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_run_dir(v, run_dir) for v in value]
+    if isinstance(value, str):
+        return value.replace("${hydra:runtime.output_dir}", run_dir)
+    return value

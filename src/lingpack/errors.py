@@ -7,3 +7,7 @@ Anything else that escapes is a bug of ours and keeps its traceback.
 
 class ConfigError(ValueError):
     """A config value that cannot run, with the key and the fix in the message."""
+
+
+class MissingFileError(ConfigError, FileNotFoundError):
+    """A file the config points to does not exist (catchable as either base)."""

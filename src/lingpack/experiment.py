@@ -3,8 +3,12 @@
 `run.py` calls `run_from_hydra`; tests and scripts can call `run(plain_config_dict, run_dir)` directly.
 Each job gets its own W&B run (offline by default, `finish()` per job, continued by a rerun that resumes
 from a checkpoint), a `metrics.jsonl`/`metrics.csv` with one record per step of the whole run,
-`summary.json`, a console summary table and PNG plots in its run directory. Multiruns end with a sweep
+`summary.json`, a console summary and PNG plots in its run directory. Multiruns end with a sweep
 table over all jobs (`SweepSummary`, a Hydra callback).
+
+The console: the run directory and what runs (model, data, kernel, devices, anything the config check
+found) at the start; one line per logged step; the summary grouped by topic, the run directory and where
+the W&B run is at the end.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import os
 import statistics
 from pathlib import Path
 
+import jax
+
 from lingpack import config as config_lib
-from lingpack import distributed
+from lingpack import devices, distributed, precision
 from lingpack.kernels.kda import api as kda_api
 
 log = logging.getLogger("lingpack")
@@ -24,7 +30,8 @@ log = logging.getLogger("lingpack")
 SUMMARY_FORMATS = {"final_lm_loss": ".4f", "first_lm_loss": ".4f", "tokens_per_s": ".0f",
                    "segments_per_row": ".2f", "phantom_overhead": ".3f", "packing_parity_rel": ".1e",
                    "parity_max_rel": ".1e", "parity_mean_rel": ".1e", "val_lm_loss": ".4f",
-                   "val_ppl": ".2f", "test_lm_loss": ".4f", "test_ppl": ".2f", "val_parity_max_rel": ".1e"}
+                   "val_ppl": ".2f", "test_lm_loss": ".4f", "test_ppl": ".2f", "val_parity_max_rel": ".1e",
+                   "dropped_token_fraction": ".1%"}
 
 
 def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None, writer: bool):
@@ -35,7 +42,8 @@ def _metrics_logger(rc: config_lib.RunConfig, plain: dict, group: str | None, wr
         wandb = WandbLogger(project=rc.logger.project, group=rc.logger.group or group or rc.name,
                             job_type=rc.logger.job_type, name=rc.name, tags=list(rc.logger.tags),
                             dir=rc.run_dir, mode=rc.logger.mode, config=plain,
-                            id=persistent_run_id(rc.run_dir), resume="allow")  # a rerun continues the same run
+                            id=persistent_run_id(rc.run_dir), resume="allow",  # a rerun continues the same run
+                            quiet=rc.logger.quiet)
     return MetricsLogger(rc.run_dir, wandb=wandb, console_every=rc.logger.console_every, main_process=writer)
 
 
@@ -49,8 +57,10 @@ def overhead_key(rc: config_lib.RunConfig) -> str:
     return "t_new_over_t" if uses_max_segs(rc) else "native_t_over_t"
 
 
-def _announce(rc: config_lib.RunConfig) -> None:
-    """What runs, said once at start: the model, the data and the kernel (and a max_segs it ignores)."""
+def _announce(rc: config_lib.RunConfig, device_line: str | None = None) -> None:
+    """What runs, said once at start: the run directory, the model, the data and the kernel (and a max_segs it
+    ignores), the fake CPU devices asked for, and what the config check found (e.g. no test split)."""
+    log.info("run directory: %s", os.path.abspath(rc.run_dir))
     kernel = f"kernel {rc.kernel.name} (chunk {rc.kernel.chunk_size}"
     kernel += f", max_segs {rc.kernel.max_segs})" if uses_max_segs(rc) else ", segment-native)"
     log.info("%s: model %d layers x %d wide, vocab %d | data %d x %d tokens per step | %s | %d steps",
@@ -60,6 +70,10 @@ def _announce(rc: config_lib.RunConfig) -> None:
         log.warning("kernel=%s has no phantom segments: kernel.max_segs=%s is ignored (every value runs the same). "
                     "Sweep the phantom overhead with a cu_seqlens kernel: python run.py -m kernel=chunked_aligned "
                     "kernel.max_segs=8,16,32", rc.kernel.name, rc.kernel.max_segs)
+    if device_line:
+        (log.warning if "not applied" in device_line else log.info)(device_line)
+    for note in rc.notes:
+        log.warning(note)
 
 
 def _quiet_libraries() -> None:
@@ -79,6 +93,8 @@ def _mean(history: list[dict], key: str) -> float | None:
 
 def run_summary(rc: config_lib.RunConfig, history: list[dict], preempted: bool) -> dict:
     """The run's figures from its per-step records (the whole run, every try of a resumed one)."""
+    dropped = sum(int(h.get("dropped_tokens", 0)) for h in history)
+    tokens = sum(int(h.get("tokens", 0)) for h in history)
     return {
         "name": rc.name, "kernel": rc.kernel.name, "max_segs": rc.kernel.max_segs if uses_max_segs(rc) else None,
         "status": "preempted" if preempted else "completed", "steps": len(history),
@@ -89,7 +105,8 @@ def run_summary(rc: config_lib.RunConfig, history: list[dict], preempted: bool) 
         "segments_per_row": _mean(history, "segments_per_row"),
         "phantom_overhead": _mean(history, overhead_key(rc)),
         "dropped_documents": sum(int(h.get("dropped_documents", 0)) for h in history),
-        "dropped_tokens": sum(int(h.get("dropped_tokens", 0)) for h in history),
+        "dropped_tokens": dropped,
+        "dropped_token_fraction": dropped / tokens if tokens else 0.0,  # > 0: the loss is over other tokens
         "overflow_steps": sum(1 for h in history if h.get("dropped_documents", 0)),
     }
 
@@ -102,25 +119,39 @@ def run(plain: dict, run_dir: str, *, group: str | None = None) -> dict:
     calls this with the same config and run directory; all train and save their checkpoint shards,
     process 0 alone writes W&B, metrics, plots and the summary.
     """
-    rc = config_lib.build(plain, run_dir)
-    distributed.initialize(rc.distributed)
-    distributed.check_same_everywhere("run directory", os.path.abspath(run_dir))
-    writer = distributed.is_writer()  # the one place that decides who writes run records
-    summary = _train_and_report(rc, plain, run_dir, group, writer)
-    distributed.wait_for_writer()  # the others wait here while process 0 writes, not in JAX's exit barrier
+    rc = config_lib.build(plain, run_dir)  # makes no JAX array
+    device_line = devices.request_cpu_devices(rc.parallel.cpu_devices)  # before anything starts JAX's backends
+    float64 = precision.wants_float64(rc.model.dtype, rc.model.param_dtype, rc.optim.master_dtype)
+    # JAX's x64 mode decides the dtype of every array made after it is set, and float64 arrays exist only in it:
+    # set from the config here, before this run makes its first array (data, model, state, the parity side),
+    # and restored after, so that a multirun's next job or a caller's own arrays keep their setting.
+    with precision.x64(float64):
+        distributed.initialize(rc.distributed)
+        device_line = devices.settled(device_line, rc.parallel.cpu_devices)
+        devices.check_mesh(rc.parallel)
+        if float64:  # after the backend starts (jax.distributed first): a one-line refusal where it cannot work
+            precision.check_float64()
+        distributed.check_same_everywhere("run directory", os.path.abspath(run_dir))
+        writer = distributed.is_writer()  # the one place that decides who writes run records
+        summary = _train_and_report(rc, plain, run_dir, group, writer, device_line)
+        distributed.wait_for_writer()  # the others wait here while process 0 writes, not in JAX's exit barrier
     return summary
 
 
-def _train_and_report(rc: config_lib.RunConfig, plain: dict, run_dir: str, group: str | None, writer: bool) -> dict:
-    """`run`'s body: train, then (process 0) the checks, records, plots and summary table."""
+def _train_and_report(rc: config_lib.RunConfig, plain: dict, run_dir: str, group: str | None, writer: bool,
+                      device_line: str | None = None) -> dict:
+    """`run`'s body: train, then (process 0) the checks, records, plots and summary."""
     os.makedirs(run_dir, exist_ok=True)
     _quiet_libraries()
     if writer:
-        _announce(rc)
+        _announce(rc, device_line)
     from lingpack.train import loop
-    from lingpack.tracking.table import summary_table
+    from lingpack.tracking.console import run_summary_text
 
     metrics_logger = _metrics_logger(rc, plain, group, writer)
+    wandb_line = metrics_logger.wandb.describe() if metrics_logger.wandb is not None else None
+    if wandb_line:
+        log.info(wandb_line)
     try:
         recorder = None
         if rc.parity.enabled:  # the parity harness compares lingpack's routing with the reference's
@@ -135,6 +166,8 @@ def _train_and_report(rc: config_lib.RunConfig, plain: dict, run_dir: str, group
             result = loop.train(*args, **kwargs)
         history = metrics_logger.records() or list(result.history)
         summary = run_summary(rc, history, result.preempted)
+        # the dtypes the run actually trained in, read from its state (a float64 config without x64 would show)
+        summary["master_dtypes"] = ",".join(sorted({str(x.dtype) for x in jax.tree.leaves(result.state.params)}))
         summary.update({k: v for k, v in result.final_eval.items() if not k.endswith("_tokens")})
         # the per-document check runs single-device rows of the full length (not under context parallelism)
         check_packing = not result.preempted and rc.parallel.context == 1
@@ -151,10 +184,27 @@ def _train_and_report(rc: config_lib.RunConfig, plain: dict, run_dir: str, group
         metrics_logger.export_csv()
         if not result.preempted:
             _plots(rc, history)
-        print(summary_table([summary], title=f"lingpack run summary: {rc.name}", formats=SUMMARY_FORMATS))
+        print(run_summary_text(summary, title=f"lingpack run summary: {rc.name}", formats=SUMMARY_FORMATS,
+                               notes=_summary_notes(summary)), flush=True)
+        log.info("run directory: %s", os.path.abspath(rc.run_dir))
+        if wandb_line:
+            log.info(wandb_line)
         return summary
     finally:
         metrics_logger.finish()
+
+
+def _summary_notes(summary: dict) -> dict[str, str]:
+    """What a reader of the summary must know next to the figures."""
+    notes = {}
+    if summary.get("dropped_tokens"):
+        notes["overflow"] = ("loss over fewer tokens than the data holds: not comparable with a run that dropped "
+                             "none (raise kernel.max_segs)")
+    if "val_lm_loss" in summary:
+        notes["validation"] = "end of training"
+    if "test_lm_loss" in summary:
+        notes["test"] = "end of training"
+    return notes
 
 
 def _packing_parity(rc: config_lib.RunConfig, model) -> dict:
@@ -196,6 +246,17 @@ except ImportError:  # hydra is a dependency; this only keeps `import lingpack.e
     _HydraCallback = object
 
 
+def sweep_note(row: dict, rows: list[dict]) -> str:
+    """The sweep table's note on one job: a loss over fewer tokens, or the segment-native baseline."""
+    if row.get("dropped_tokens"):
+        fraction = row.get("dropped_token_fraction")
+        share = f"{fraction:.0%} of tokens" if fraction is not None else f"{row['dropped_tokens']} tokens"
+        return f"loss not comparable ({share} dropped)"
+    if row.get("max_segs") is None and any(r.get("max_segs") is not None for r in rows):
+        return "baseline: segment-native, no phantom segments"
+    return ""
+
+
 class SweepSummary(_HydraCallback):
     """Hydra callback: after a multirun, one table over every job's summary.json (and a CSV beside it)."""
 
@@ -210,10 +271,15 @@ class SweepSummary(_HydraCallback):
         if not rows:
             print(f"sweep summary: no job summaries under {sweep_dir}")
             return
+        for row in rows:
+            row["note"] = sweep_note(row, rows)
         columns = ["job", "kernel", "max_segs", "phantom_overhead", "dropped_documents", "dropped_tokens",
-                   "tokens_per_s", "final_lm_loss", "val_lm_loss", "packing_parity_rel", "status"]
+                   "tokens_per_s", "final_lm_loss", "val_lm_loss", "packing_parity_rel", "status", "note"]
         table = summary_table(rows, columns, title=f"sweep summary ({len(rows)} jobs): {sweep_dir}",
                               formats=SUMMARY_FORMATS)
+        if any(row.get("dropped_tokens") for row in rows):
+            table += ("\nnot comparable: those jobs left documents beyond kernel.max_segs out of their steps, so "
+                      "their losses are over other (fewer) tokens than the rest")
         print(table)
         (sweep_dir / "sweep_summary.txt").write_text(table + "\n")
         from lingpack.tracking.metrics import write_csv

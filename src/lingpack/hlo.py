@@ -1,4 +1,5 @@
-"""Reading a compiled program's HLO text: every collective as it executes, loop trip counts included.
+"""Reading a program: every collective of its compiled HLO as it executes (loop trip counts included), and
+its Pallas kernels (Mosaic and Triton calls of an exported module, interpret-mode ones of its jaxpr).
 
 `jax.jit(f).lower(...).compile().as_text()` is the per-device program after SPMD partitioning. A
 computation's ops run once per call; a `while` body runs its known trip count times (unknown: once, and
@@ -23,7 +24,7 @@ DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16
 class Collective:
     kind: str              # one of KINDS
     shape: str             # the result shape as HLO prints it, e.g. "f32[8,256,384]" or a tuple "(f32[4], s32[2])"
-    times: int             # executions per call of the program (loop trip counts multiplied in)
+    times: float           # executions per call of the program (loop trip counts multiplied in)
     group_size: int | None  # devices per replica group (None: not stated, e.g. collective-permute)
 
     @property
@@ -46,11 +47,30 @@ def _group_size(line: str) -> int | None:
     listed = re.search(r"replica_groups=\{\{([^}]*)\}", line)
     if listed:
         return len(listed.group(1).split(","))
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)   # mesh['a'=2,'b'=4] {'b'}
+    if named:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", named.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", named.group(2)))
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
     return int(iota.group(2)) if iota else None
 
 
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    shape: str             # the result shape as HLO prints it
+    opcode: str
+    line: str              # the instruction's text (comments removed)
+    root: bool = False
+
+    @property
+    def operands(self) -> list[str]:
+        """Names of the operands (compiled HLO prints them without shapes: look them up in the computation)."""
+        args = re.search(rf"\s{re.escape(self.opcode)}\(([^)]*)\)", self.line)
+        return re.findall(r"%([\w.\-]+)", args.group(1)) if args else []
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[Instruction]], str | None]:
     comps, name, entry = {}, None, None
     for line in hlo.splitlines():
         head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
@@ -59,43 +79,167 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
             comps[name] = []
             entry = name if head.group(1) else entry
         elif name is not None and line.strip() and line.strip() != "}":
-            comps[name].append(line)
+            line = re.sub(r"/\*.*?\*/", "", line)   # tuple shapes carry /*index=5*/ comments
+            op = re.match(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(", line)
+            if op:
+                comps[name].append(Instruction(op.group(2), op.group(3), op.group(4), line, bool(op.group(1))))
     return comps, entry
 
 
-def collective_ops(hlo: str) -> tuple[list[Collective], int]:
-    """(every collective op of the module with its execution count, loops whose trip count is unknown)."""
+@dataclasses.dataclass(frozen=True)
+class Executed:
+    op: Instruction
+    times: float           # executions per call of the program (a weighted conditional branch: its share)
+    fused: bool            # inside a fusion (or a reducer): reads and writes no memory of its own
+    shapes: dict           # name -> shape of the instructions of its computation (operand lookup)
+
+
+def sources(hlo: str) -> dict[str, str]:
+    """stack_frame_id -> "file:line" of the innermost frame (the tables compiled HLO text starts with)."""
+    head = hlo.split("\n\n%", 1)[0] if "StackFrames" in hlo else ""
+    files = dict(re.findall(r'^(\d+) "([^"]*)"', head.split("FunctionNames")[0], re.M))
+    locations = {i: (f, line) for i, f, line in
+                 re.findall(r"^(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)", head, re.M)}
+    frames = dict(re.findall(r"^(\d+) \{file_location_id=(\d+) parent_frame_id=\d+\}", head, re.M))
+    return {frame: f"{files.get(locations[loc][0], '?')}:{locations[loc][1]}"
+            for frame, loc in frames.items() if loc in locations}
+
+
+def _branches(op: Instruction, where: dict, branch_weights) -> tuple[list[str], list[float]]:
+    """A conditional's branch computations in index order (a predicate's: false, true) and their weights."""
+    listed = re.search(r"branch_computations=\{([^}]*)\}", op.line)
+    if listed:
+        branches = re.findall(r"%?([\w.\-]+)", listed.group(1))
+    else:
+        named = dict(re.findall(r"(true|false)_computation=%?([\w.\-]+)", op.line))
+        branches = [named[k] for k in ("false", "true") if k in named]
+    frame = re.search(r"stack_frame_id=(\d+)", op.line)
+    weights = branch_weights(op, where.get(frame.group(1)) if frame else None) if branch_weights else None
+    return branches, list(weights) if weights else [1.0] * len(branches)
+
+
+def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
+    """(every instruction the program runs, with its execution count, loops whose trip count is unknown).
+
+    A conditional's branches each count as if they ran (an upper bound), unless `branch_weights(op, source)`
+    (source: the op's "file:line", or None) returns one weight per branch, e.g. the share of a layer scan's
+    trips that take each branch.
+    """
     comps, entry = _computations(hlo)
+    shapes = {name: {op.name: op.shape for op in ops} for name, ops in comps.items()}
+    where = sources(hlo) if branch_weights else {}
     found, unknown = [], [0]
 
-    def visit(comp: str, times: int) -> None:
-        for line in comps.get(comp, []):
-            line = re.sub(r"/\*.*?\*/", "", line)   # tuple shapes carry /*index=5*/ comments
-            op = re.search(r"=\s*(\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\(", line)
-            if op:
-                shape, opcode = op.groups()
-                kind = opcode[:-5] if opcode.endswith("-done") else opcode
-                if kind in KINDS and not opcode.endswith("-start"):   # async pairs: count the -done
-                    found.append(Collective(kind, shape, times, _group_size(line)))
-                if opcode == "while":
-                    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                    unknown[0] += trip is None
-                    visit(re.search(r"body=%?([\w.\-]+)", line).group(1), times * int(trip.group(1) if trip else 1))
-                    continue
-            for callee in re.findall(r"(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)", line):
-                visit(callee, times)
-            for branches in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                for callee in re.findall(r"%?([\w.\-]+)", branches):
-                    visit(callee, times)
+    def visit(comp: str, times: float, fused: bool) -> None:
+        for op in comps.get(comp, []):
+            found.append(Executed(op, times, fused, shapes[comp]))
+            if op.opcode == "while":
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.line)
+                unknown[0] += trip is None
+                body = re.search(r"body=%?([\w.\-]+)", op.line).group(1)
+                visit(body, times * int(trip.group(1) if trip else 1), fused)
+                continue
+            for key, callee in re.findall(r"(to_apply|calls)=%?([\w.\-]+)", op.line):
+                visit(callee, times, fused or key == "to_apply" or op.opcode == "fusion")
+            if op.opcode == "conditional":
+                for callee, weight in zip(*_branches(op, where, branch_weights)):
+                    visit(callee, times * weight, fused)
 
     if entry is not None:
-        visit(entry, 1)
+        visit(entry, 1, False)
     return found, unknown[0]
 
 
-def collectives(hlo: str) -> dict:
+def collective_ops(hlo: str, branch_weights=None) -> tuple[list[Collective], int]:
+    """(every collective op of the module with its execution count, loops whose trip count is unknown)."""
+    ops, unknown = executed(hlo, branch_weights)
+    found = []
+    for e in ops:
+        opcode = e.op.opcode
+        kind = opcode[:-5] if opcode.endswith("-done") else opcode
+        if kind in KINDS and not opcode.endswith("-start"):   # async pairs: count the -done
+            found.append(Collective(kind, e.op.shape, e.times, _group_size(e.op.line)))
+    return found, unknown
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    found = re.search(r"\w+\[([\d,]*)\]", shape)
+    return tuple(int(d) for d in found.group(1).split(",") if d) if found else ()
+
+
+def dot_flops(hlo: str, branch_weights=None) -> float:
+    """FLOPs of every matrix product the program executes (2 x result elements x contracted size per `dot`),
+    loop trip counts included. XLA's own `cost_analysis()` counts a loop body once, whatever its trip count."""
+    total = 0
+    for e in executed(hlo, branch_weights)[0]:
+        if e.op.opcode != "dot":
+            continue
+        lhs = _dims(e.shapes.get(e.op.operands[0], "")) if e.op.operands else ()
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", e.op.line)
+        k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
+        total += e.times * 2 * math.prod(_dims(e.op.shape)) * k
+    return total
+
+
+NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
+              "after-all", "partition-id", "replica-id", "opt-barrier"}
+SLICES = {"dynamic-slice", "slice", "gather"}
+
+
+def _moved(op: Instruction, shapes: dict, comps: dict) -> int:
+    """Bytes one run of an unfused instruction reads and writes. A slice reads what it returns; an in-place
+    update (dynamic-update-slice, also as a fusion's root) writes its update, not the whole buffer."""
+    size = lambda name, table=shapes: shape_bytes(table.get(name, ""))
+    if op.opcode in SLICES:
+        return 2 * shape_bytes(op.shape)
+    if op.opcode == "dynamic-update-slice":
+        return 2 * size(op.operands[1])
+    called = re.search(r"calls=%?([\w.\-]+)", op.line) if op.opcode == "fusion" else None
+    if called is None or called.group(1) not in comps:
+        return shape_bytes(op.shape) + sum(size(name) for name in op.operands)
+    body = comps[called.group(1)]
+    inner = {i.name: i.shape for i in body}
+    by_name = {i.name: i for i in body}
+    params = {int(re.search(r"parameter\((\d+)\)", i.line).group(1)): i.name for i in body if i.opcode == "parameter"}
+    users = collections.defaultdict(list)
+    for i in body:
+        for name in i.operands:
+            users[name].append(i)
+    root = next((i for i in body if i.root), None)
+    outputs = [by_name[n] for n in root.operands] if root is not None and root.opcode == "tuple" else [root]
+    written, in_place = 0, set()
+    for out in outputs:
+        if out is not None and out.opcode == "dynamic-update-slice" and out.operands[0] in params.values():
+            in_place.add(out.operands[0])
+            written += size(out.operands[1], inner)
+        elif out is not None:
+            written += shape_bytes(out.shape)
+    read = 0
+    for index, outer in enumerate(op.operands):
+        param = params.get(index)
+        if param in in_place:
+            continue
+        if users[param] and all(u.opcode in SLICES and u.operands[0] == param for u in users[param]):
+            read += sum(shape_bytes(u.shape) for u in users[param])
+        else:
+            read += size(outer)
+    return read + written
+
+
+def memory_traffic(hlo: str, branch_weights=None) -> float:
+    """Bytes the program's unfused instructions read and write each time they run (`_moved`), loop trip counts
+    included: a roofline's memory term under this program's fusion decisions (XLA:TPU fuses differently)."""
+    comps, _ = _computations(hlo)
+    total = 0
+    for e in executed(hlo, branch_weights)[0]:
+        if not e.fused and e.op.opcode not in NO_TRAFFIC:
+            total += e.times * _moved(e.op, e.shapes, comps)
+    return total
+
+
+def collectives(hlo: str, branch_weights=None) -> dict:
     """{"by_kind": {kind: {"count": executions, "bytes": result bytes}}, "unknown_trip_counts", "trivial"}."""
-    ops, unknown = collective_ops(hlo)
+    ops, unknown = collective_ops(hlo, branch_weights)
     totals = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
     trivial = 0
     for op in ops:
@@ -211,3 +355,57 @@ def compile_with_buffer_dump(lowered, directory: str):
         raise RuntimeError(f"XLA wrote no *-live-range.txt into {directory}")
     with open(paths[-1]) as f:
         return compiled, f.read()
+
+
+def mosaic_calls(module: str) -> dict:
+    """Mosaic (Pallas TPU) kernels of a StableHLO module (`jax.export(...).mlir_module()`): {kernel name: calls}.
+
+    A Mosaic kernel lowers to one `tpu_custom_call` whose `kernel_name` is the pallas_call's `name`; a
+    kernel called twice from one deduplicated function counts once (counts are of the text, not of runs).
+    """
+    return dict(collections.Counter(re.findall(r'tpu_custom_call\(.*?kernel_name = "([^"]+)"', module)))
+
+
+TRITON_CALL = "__gpu$xla.gpu.triton"   # the custom-call target of a Pallas kernel lowered through Triton
+
+
+def triton_calls(module: str) -> dict:
+    """Triton (Pallas GPU) kernels of a StableHLO module exported for CUDA: {kernel name: calls}, counted like
+    `mosaic_calls`. A Triton kernel lowers to one `TRITON_CALL` custom call whose backend config `name` is
+    the pallas_call's `name`."""
+    call = re.escape(f"custom_call @{TRITON_CALL}(")
+    return dict(collections.Counter(re.findall(call + r'.*?name = "([^"]+)"', module)))
+
+
+def pallas_call_eqns(jaxpr) -> list:
+    """Every `pallas_call` equation of a (closed) jaxpr, nested jaxprs included (shard_map, scan, cond, remat,
+    custom_vjp), in program order."""
+    from jax.extend import core as jex_core
+    found = []
+
+    def visit(j) -> None:
+        for eqn in j.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(eqn)
+                continue   # a kernel body holds no pallas_call
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(getattr(jaxpr, "jaxpr", jaxpr))
+    return found
+
+
+def pallas_kernels(jaxpr) -> dict:
+    """Every `pallas_call` of a traced program (`jax.jit(f).trace(...).jaxpr`), by how it will run.
+
+    {"mosaic": {name: calls}, "triton": {name: calls}, "interpret": {name: calls}}: an interpret-mode kernel
+    leaves no custom call in the lowered module (its body is inlined as XLA ops), so it is found here, in
+    the jaxpr, by its `interpret` parameter; the others lower through Triton when their compiler params are
+    Pallas GPU's (`jax.experimental.pallas.triton`), else through Mosaic.
+    """
+    found = {"mosaic": collections.Counter(), "triton": collections.Counter(), "interpret": collections.Counter()}
+    for eqn in pallas_call_eqns(jaxpr):
+        triton = "pallas.triton" in type(eqn.params.get("compiler_params")).__module__
+        mode = "interpret" if eqn.params.get("interpret") else "triton" if triton else "mosaic"
+        found[mode][eqn.params.get("name") or "?"] += 1
+    return {k: dict(v) for k, v in found.items()}

@@ -144,7 +144,7 @@ def test_long_document_is_cut_into_overlapping_windows():
 
 def test_too_short_dataset_and_empty_split():
     with pytest.raises(ValueError, match=r"tiny \(train split\): 5 tokens in the split, shorter "
-                                         r"than one sample of seq_length \+ 1 = 9"):
+                                         r"than one sample of data.seq_length \+ 1 = 9"):
         ix.build_gpt_indices(np.array([2, 3], np.int32), np.array([0, 1], np.int32),
                              seq_length=8, seed=0, num_samples=None, name="tiny (train split)")
     with pytest.raises(ValueError, match="gives the 'test' split no share"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ from lingpack.data.indexed import IndexedDataset
 from lingpack.data.pipeline import make_iterator
 from lingpack.data.preprocess import main as preprocess_main
 from lingpack.data.preprocess import preprocess
-from lingpack.data.stats import batch_stats, main as stats_main, segment_bound
+from lingpack.data.segment_stats import batch_stats, segment_bound
+from lingpack.data.stats import main as stats_main
 from lingpack.data.tokenizer import BYTE_EOD_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE, ByteTokenizer
 
 
@@ -122,13 +124,42 @@ def test_stats_cli(tmp_path, capsys):
     assert report["segments_per_batch_max"] <= report["segments_per_batch_bound"]
     assert report["recommended_max_segs"] >= report["segments_per_batch_max"]
     assert report["recommended_max_segs"] % 8 == 0
-    # the run's own spelling: micro-batches are what the kernel sees; the eod id comes from the tokenizer record
-    assert stats_main([prefix, "data.seq_length=128", "data.global_batch_size=4", "train.micro_batches=2",
-                       "kernel.max_segs=1", "--num-batches", "20", "--json"]) == 0
+    # the run's own spelling, options between the overrides: micro-batches are what the kernel sees; the eod id
+    # comes from the tokenizer record
+    assert stats_main([prefix, "data.seq_length=128", "--num-batches", "20", "data.global_batch_size=4",
+                       "train.micro_batches=2", "--json", "kernel.max_segs=1"]) == 0
     per_micro = json.loads(capsys.readouterr().out)
     assert per_micro["micro_batches"] == 2 and per_micro["seq_length"] == 128
     assert per_micro["segments_per_batch_max"] < report["segments_per_batch_max"]  # 2 rows, not 4
     assert per_micro["micro_batches_over_max_segs"] > 0 and per_micro["documents_dropped_at_max_segs"] > 0
-    with pytest.raises(SystemExit):
-        stats_main([prefix, "data.seq_len=128"])
-    assert "unknown override 'data.seq_len=128'" in capsys.readouterr().err
+    assert stats_main([prefix, "data.seq_len=128"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("Error: ") and "data.seq_len" in err[0], err
+
+
+def test_stats_cli_reads_the_default_run_data(tmp_path, capsys):
+    """No prefix: the data config of `python run.py OVERRIDES` (the bundled corpus), the run's own batches."""
+    cache = f"data.cache_dir={tmp_path}"
+    assert stats_main([cache, "--json", "kernel=chunked_aligned", "kernel.max_segs=8", "train.steps=5"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    prefix = bundled_corpus_prefix(str(tmp_path), "speech")   # conf/data/bundled.yaml: one document per speech
+    assert report["batches_read"] == 5 and report["seq_length"] == 256 and report["global_batch_size"] == 8
+    assert report["documents"] == len(IndexedDataset(prefix)) and report["max_segs"] == 8
+    assert report["documents_dropped_at_max_segs"] > 0  # ~24 documents per [8, 256] batch
+    cfg = DataConfig(paths=(prefix,), split="969,30,1", eod_id=BYTE_EOD_ID, pad_id=BYTE_PAD_ID,
+                     vocab_size=BYTE_VOCAB_SIZE, seq_length=256, global_batch_size=8, num_samples=40)
+    segments = [batch_stats(b)["min_safe_max_segs"] for b, _ in zip(make_iterator(cfg, process_index=0,
+                                                                                 process_count=1), range(5))]
+    assert report["segments_per_batch_max"] == max(segments)  # exactly the batches the run trains on
+
+
+def test_stats_cli_truncated_file_is_one_line(tmp_path, capsys):
+    prefix = bundled_corpus_prefix(str(tmp_path))
+    data = Path(prefix + ".bin").read_bytes()
+    cut = str(tmp_path / "cut")
+    for suffix in (".idx", ".tokenizer-record.json"):
+        Path(cut + suffix).write_bytes(Path(prefix + suffix).read_bytes())
+    Path(cut + ".bin").write_bytes(data[: len(data) // 2])
+    assert stats_main([cut]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"Error: {cut}.bin: truncated data file"), err

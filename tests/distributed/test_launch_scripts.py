@@ -126,3 +126,47 @@ def test_non_zero_ranks_leave_hydra_files_to_process_0():
     assert run_py.launch_overrides([], {"SLURM_PROCID": "3"}) == quiet
     assert run_py.launch_overrides([], {"TPU_WORKER_ID": "1"}) == quiet
     assert run_py.launch_overrides(["distributed.process_id=1"], {}) == quiet
+
+
+def tpu_pod_dry_run(*args: str) -> subprocess.CompletedProcess:
+    return sh([str(LAUNCH / "tpu_pod.sh"), "--dry-run", "--name", "p", "--zone", "z", "--skip-setup", *args],
+              env={"PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.parametrize("accelerator,runtime", [
+    ("v5p-16", "v2-alpha-tpuv5"), ("v6e-8", "v2-alpha-tpuv6e"), ("v5litepod-4", "v2-alpha-tpuv5-lite"),
+    ("v4-8", "tpu-ubuntu2204-base")])
+def test_tpu_pod_runtime_follows_the_accelerator(accelerator, runtime):
+    proc = tpu_pod_dry_run("--accelerator-type", accelerator, "--ckpt-dir", "gs://b/r")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == (f"+ gcloud compute tpus tpu-vm create p --zone=z --accelerator-type="
+                                           f"{accelerator} --version={runtime}")
+    given = tpu_pod_dry_run("--accelerator-type", accelerator, "--version", "my-image", "--ckpt-dir", "gs://b/r")
+    assert given.stdout.splitlines()[0].endswith("--version=my-image")   # a given version wins
+
+
+def test_tpu_pod_unknown_accelerator_needs_a_version():
+    proc = tpu_pod_dry_run("--accelerator-type", "v9z-8")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "tpu_pod.sh: no default --version for --accelerator-type v9z-8: give --version "
+        "(see https://cloud.google.com/tpu/docs/runtimes)")
+
+
+def test_tpu_pod_multi_host_without_shared_checkpoints_warns():
+    local = tpu_pod_dry_run("--accelerator-type", "v5p-16", "--run-dir", "r")
+    assert local.returncode == 0 and local.stderr.strip().splitlines() == [
+        "tpu_pod.sh: warning: v5p-16 is multi-host, but the checkpoint directory r/checkpoints is not a gs:// path: on "
+        "each worker's own disk every worker would hold only its shards and no restore could read them; give "
+        "--ckpt-dir gs://BUCKET/PATH (or a mount all workers share)"]
+    assert tpu_pod_dry_run("--accelerator-type", "v5p-16", "--ckpt-dir", "gs://b/r").stderr == ""
+    assert tpu_pod_dry_run("--accelerator-type", "v5p-8", "--run-dir", "r").stderr == ""   # one host
+
+
+def test_unknown_hydra_launcher_lists_the_choices(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=slurm_gpu"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, lines
+    # submitit_local / submitit_slurm join the choices where the slurm extra is installed
+    assert lines[0].startswith("run.py: hydra/launcher=slurm_gpu: no such launcher; choose one of basic, slurm, "
+                               "slurm_multinode") and lines[0].endswith("(lingpack's are in conf/hydra/launcher/)")

@@ -18,9 +18,14 @@ def pallas_impls():
     return [name for name in api.names() if name.startswith("pallas")]
 
 
-def fla_naive_module():
+def fla_naive_module(float64: bool = False):
+    """FLA's fla/ops/kda/naive.py loaded by file path (FLA's package import needs triton); `float64`: its float32
+    upcasts made float64 (lingpack.parity.widen)."""
     spec = importlib.util.find_spec("fla")
     path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
+    if float64:
+        from lingpack.parity.widen import module_at
+        return module_at(path, "fla_kda_naive_float64")
     module_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -58,14 +63,16 @@ def documents(seg):
 
 
 def per_document_oracle(naive, q, k, v, g, beta, seg, h0=None):
-    """FLA's naive recurrence run on each document alone: the definition of correct varlen."""
+    """FLA's naive recurrence run on each document alone: the definition of correct varlen (in float64 for
+    float64 inputs, else fp32: pass `fla_naive_module(float64=True)` for a float64 recurrence)."""
     import torch
     B, T, H, _ = q.shape
     V = v.shape[-1]
-    o = np.zeros((B, T, H, V), np.float32)
-    final = np.zeros((B, H, q.shape[-1], V), np.float32) if h0 is None else h0.copy()
+    dtype = np.float64 if np.asarray(q).dtype == np.float64 else np.float32
+    o = np.zeros((B, T, H, V), dtype)
+    final = np.zeros((B, H, q.shape[-1], V), dtype) if h0 is None else h0.copy()
     for b, idx in documents(seg):
-        take = lambda x: torch.tensor(np.asarray(x, np.float32)[b:b + 1, idx])
+        take = lambda x: torch.tensor(np.asarray(x, dtype)[b:b + 1, idx])
         init = torch.tensor(h0[b:b + 1]) if (h0 is not None and idx[0] == 0) else None
         o_doc, s_doc = naive.naive_recurrent_kda(take(q), take(k), take(v), take(g), take(beta),
                                                  initial_state=init, output_final_state=True)

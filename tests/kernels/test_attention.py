@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from lingpack import precision
 from lingpack.kernels.attention.api import IMPLS, attention
 
 
@@ -18,15 +19,15 @@ def _segments(rows, T):
     return seg
 
 
-def _inputs(B, T, H, K, V, seed=0):
+def _inputs(B, T, H, K, V, seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(s).astype(np.float32) for s in ((B, T, H, K), (B, T, H, K), (B, T, H, V))]
+    return [rng.standard_normal(s).astype(dtype) for s in ((B, T, H, K), (B, T, H, K), (B, T, H, V))]
 
 
 def _torch_per_document(q, k, v, seg, scale, weights_o=None):
     """o and (if weights_o) grads of sum(o * weights_o), computed by SDPA per document; padding -> 0."""
     tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
-    out = torch.zeros(q.shape[:3] + (v.shape[-1],))
+    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=tq.dtype)
     for b, row in enumerate(seg):
         for s in np.unique(row[row > 0]):
             idx = torch.tensor(np.nonzero(row == s)[0])
@@ -43,12 +44,18 @@ def _torch_per_document(q, k, v, seg, scale, weights_o=None):
 CASES = [
     ([[5, 1, 20, 6]], 40),                 # length-1 document, trailing padding
     ([[33, 31], [1, 1, 62], [64]], 64),    # several rows, repeated ids across rows
-    ([[130, 3, 7]], 150),                  # more than one splash/flash block, padding to 256 for splash
+    ([[130, 3, 7]], 150),                  # more than one splash/flash/pallas_triton tile, padding to 256
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("rows,T", CASES)
+# pallas_triton runs in Pallas interpret mode here (seconds per case): the default suite takes its case with
+# several tiles, a 3-token document and padding (outputs and gradients per document); `make test-all` the rest
+SLOW = pytest.mark.slow
+CASE_IMPLS = [pytest.param(impl, rows, T, marks=[SLOW] if impl == "pallas_triton" and T != 150 else [],
+                           id=f"{impl}-T{T}") for rows, T in CASES for impl in IMPLS]
+
+
+@pytest.mark.parametrize("impl,rows,T", CASE_IMPLS)
 def test_matches_per_document_sdpa(impl, rows, T):
     H, K, V = 2, 16, 8
     seg = _segments(rows, T)
@@ -67,7 +74,29 @@ def test_matches_per_document_sdpa(impl, rows, T):
         np.testing.assert_allclose(np.asarray(g), r, atol=5e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ["dot_product", "flash"])
+def test_float64_matches_per_document_sdpa_in_float64(impl):
+    """float64 inputs: softmax, accumulators and gradients in float64 (fp32 inside would miss 1e-12 by ~1e-7)."""
+    (rows, T), (H, K, V) = CASES[1], (2, 16, 8)
+    seg = _segments(rows, T)
+    q, k, v = _inputs(len(rows), T, H, K, V, dtype=np.float64)
+    w = np.random.default_rng(1).standard_normal(q.shape[:3] + (V,))
+    ref_o, ref_grads = _torch_per_document(q, k, v, seg, K ** -0.5, w)
+    f = lambda q, k, v: attention(q, k, v, segment_ids_BT=jnp.asarray(seg), impl=impl, block_size=16)
+    with precision.x64(True):
+        o, vjp = jax.vjp(f, q, k, v)
+        grads = vjp(jnp.asarray(w))
+        for fp32_kernel in ("splash", "pallas_triton"):
+            with pytest.raises(ValueError, match="float64 inputs would be rounded"):
+                attention(q, k, v, impl=fp32_kernel)
+        assert attention(q, k, v, impl="auto").dtype == jnp.float64   # auto takes flash for float64
+    assert o.dtype == jnp.float64 and all(g.dtype == jnp.float64 for g in grads)
+    np.testing.assert_allclose(np.asarray(o), ref_o, atol=1e-12, rtol=1e-12)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g), r, atol=1e-12, rtol=1e-11, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=[SLOW] if i == "pallas_triton" else []) for i in IMPLS])
 def test_padding_rows_are_zero_and_finite(impl):
     """An all-padding row (every query fully masked) outputs 0 with finite gradients."""
     seg = _segments([[4, 3], []], 16)
@@ -107,7 +136,7 @@ def test_unknown_impl_names_choices():
         attention(q, q, q, impl="ring")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=[SLOW] if i == "pallas_triton" else []) for i in IMPLS])
 def test_gradients_never_cross_documents(impl):
     """d(outputs of one document) / d(q, k, v of every other token) is exactly zero."""
     seg = _segments([[9, 1, 12], [20]], 24)

@@ -1,5 +1,5 @@
-"""Pallas KDA kernels on a sharded mesh (8 fake CPU devices): `pallas_shard.over_mesh` maps them over rows
-and heads with no extra arguments.
+"""Pallas KDA kernels on a sharded mesh (8 fake CPU devices): `kernels/shard.py`'s `over_mesh` maps them over
+rows and heads with no extra arguments.
 
 Export for TPU lowers every Mosaic call inside a `shard_map` (XLA cannot partition one: the unwrapped
 kernel fails to export, which the first test checks so that it can fail); interpret mode gives the
@@ -17,7 +17,8 @@ import pytest
 import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from lingpack.kernels.kda import api, pallas_segment, pallas_shard
+from lingpack.kernels import shard
+from lingpack.kernels.kda import api, pallas_segment
 from tests.kernels.kda_cases import make_inputs, segments_from_lengths
 
 IMPLS = ["pallas_segment", "pallas_varlen"]
@@ -40,9 +41,9 @@ def sharded_shapes(mesh, B, T, H, K, V, dtype):
 def test_mapped_axes_follow_divisibility_and_the_row_and_head_axes():
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2, 2, 1), ("data", "fsdp", "tensor", "context"))
     x = lambda B, H: jax.ShapeDtypeStruct((B, 64, H, 8), jnp.float32, sharding=NamedSharding(mesh, P()))
-    assert pallas_shard.mapped_axes(x(4, 4))[1:] == (("data", "fsdp"), ("tensor",))
-    assert pallas_shard.mapped_axes(x(2, 3))[1:] == (("data",), ())          # fsdp and tensor do not divide
-    assert pallas_shard.mapped_axes(jnp.zeros((2, 64, 2, 8)))[0].empty      # no mesh: the kernel runs as is
+    assert shard.mapped_axes(x(4, 4))[1:] == (("data", "fsdp"), ("tensor",))
+    assert shard.mapped_axes(x(2, 3))[1:] == (("data",), ())          # fsdp and tensor do not divide
+    assert shard.mapped_axes(jnp.zeros((2, 64, 2, 8)))[0].empty      # no mesh: the kernel runs as is
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -79,6 +79,40 @@ def test_router_and_output_match_transformers():
         np.testing.assert_allclose(np.asarray(call(moe, jnp.asarray(x))[0]), ref, atol=3e-5, rtol=1e-5)
 
 
+def test_routing_is_fp32_for_bf16_and_follows_float64():
+    """Routing is a precision choice: fp32 under bf16 compute, float64 in a float64 model, where the whole layer
+    matches transformers' KimiLinearMoE run in float64 (its float32 router upcasts widened) to 1e-12."""
+    from transformers import KimiLinearConfig
+
+    from lingpack import precision
+    from lingpack.parity import widen
+    bf16 = MoE(CFG, 24, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert bf16.router[...].dtype == bf16.expert_bias[...].dtype == jnp.float32 and bf16.wo[...].dtype == jnp.bfloat16
+    kimi = widen.module("transformers.models.kimi_linear.modeling_kimi_linear")
+    hf_cfg = KimiLinearConfig(hidden_size=24, moe_intermediate_size=16, num_local_experts=8, num_experts_per_tok=3,
+                              n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                              norm_topk_prob=False)
+    hf = kimi.KimiLinearMoE(hf_cfg).double().eval()
+    x = np.random.default_rng(1).standard_normal((2, 11, 24))
+    with precision.x64(True):
+        moe = MoE(CFG, 24, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        assert {v.dtype for v in jax.tree.leaves(nnx.state(moe))} == {jnp.dtype(jnp.float64)}
+        moe.expert_bias[...] = 0.01 * jax.random.normal(jax.random.key(2), (CFG.num_experts,), jnp.float64)
+        with torch.no_grad():
+            hf.gate.weight.copy_(torch.tensor(np.asarray(moe.router[...]).T))
+            hf.gate.e_score_correction_bias.copy_(torch.tensor(np.asarray(moe.expert_bias[...])))
+            gate_up = np.concatenate([np.asarray(moe.wi_gate[...]), np.asarray(moe.wi_up[...])], axis=2)
+            hf.experts.gate_up_proj.copy_(torch.tensor(gate_up.transpose(0, 2, 1)))
+            hf.experts.down_proj.copy_(torch.tensor(np.asarray(moe.wo[...]).transpose(0, 2, 1)))
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(hf.shared_experts, name).weight.copy_(
+                    torch.tensor(np.asarray(getattr(moe.shared_experts, name).kernel[...]).T))
+            ref = hf(torch.tensor(x)).numpy()
+        y, aux = call(moe, jnp.asarray(x))
+        assert y.dtype == aux["router_logits"].dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(y), ref, atol=1e-12, rtol=1e-12)
+
+
 def test_group_limit_keeps_chosen_experts_in_top_groups():
     logits = jax.random.normal(jax.random.key(0), (64, CFG.num_experts)) * 3
     idx, _ = route(logits, jnp.zeros(CFG.num_experts), CFG)

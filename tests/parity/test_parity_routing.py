@@ -77,11 +77,12 @@ def test_routing_locked_ten_step_parity(trained, tmp_path):
     assert set(routing) == set(range(1, 11))
     summary = run_parity(_with(rc, tmp_path, lock_routing=True), history, routing=routing, final_eval=final_eval)
     assert summary["parity_lock_routing"] and summary["parity_steps"] == 10
-    assert summary["parity_max_rel"] <= 1e-5, summary
+    assert summary["parity_max_rel"] <= 1e-6, summary  # measured 1.6e-7 (fp32 rounding; float64: test_parity_float64)
+    assert summary["moe_z_parity_max_rel"] <= 1e-6, summary  # measured 1.2e-7
     # validation (the reference routes with its own choices there): steps 5, 10, end-of-run valid and test
     rows = list(csv.DictReader(open(tmp_path / "parity" / "validation_parity.csv")))
     assert [r["where"] for r in rows] == ["step 5", "step 10", "end valid", "end test"]
-    assert summary["val_parity_passed"] and summary["val_parity_max_rel"] <= 1e-6, summary
+    assert summary["val_parity_passed"] and summary["val_parity_max_rel"] <= 1e-6, summary  # measured 1.9e-7
     for split in ("val", "test"):  # the router z-loss is reported apart, as lingpack's
         assert summary[f"reference_{split}_moe_z_loss"] == pytest.approx(final_eval[f"{split}_moe_z_loss"], rel=1e-6)
     # step 10 and the end-of-run evaluation see the same weights but other valid batches: far apart
@@ -98,7 +99,7 @@ def test_trace_reports_an_injected_flip_and_none_without_one(trained, tmp_path):
     rc, history, routing, _ = trained
     clean = run_parity(_with(rc, tmp_path / "clean"), history[:2], routing=routing)  # routing not locked
     assert clean["routing_first_flip_step"] is None and clean["routing_total_flips"] == 0
-    assert clean["parity_max_rel"] <= 1e-5
+    assert clean["parity_max_rel"] <= 1e-6  # measured 7.6e-8
 
     perturbed = loop.make_model(rc.model, rc.train.seed)  # the reference starts from it; lingpack did not
     moe, index = perturbed.moe_layers()[1]  # index: the layer's place in its scan stack (() if unrolled)

@@ -101,7 +101,7 @@ def test_default_ling3_losses_and_routing_match_reference(setup):
     stats, aux = forward(model, batch)
     trainer = reference_trainer(model, sample_list, loss_cfg, 1)
     with torch.no_grad():
-        lm_sum, lm_count, real, z, loads, _, mtp = trainer._group(sample_list)
+        lm_sum, lm_count, real, z, loads, _, mtp, _ = trainer._group(sample_list)
     np.testing.assert_allclose(float(lm_sum), float(stats["lm_sum"]), rtol=1e-6)
     assert float(lm_count) == float(stats["lm_tokens"]) and real == int((batch["inputs_segmentation"] != 0).sum())
     np.testing.assert_allclose([float(s) for s, _ in mtp], np.asarray(stats["mtp_sum"]), rtol=1e-6)

@@ -111,7 +111,7 @@ def test_megatron_data_from_the_preprocess_cli_runs_as_in_the_readme(tmp_path):
     from lingpack.data import make_iterator
     from lingpack.data.preprocess import main as preprocess_main
     docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"doc {i} " * (1 + i % 4)}) + "\n" for i in range(40)))
+    docs.write_text("".join(json.dumps({"text": f"doc {i} " * (8 + i % 4)}) + "\n" for i in range(40)))
     for name in ("a", "b"):
         assert preprocess_main(["--input", str(docs), "--output-prefix", str(tmp_path / f"{name}_text_document"),
                                 "--append-eod"]) == 0
@@ -126,3 +126,16 @@ def test_megatron_data_from_the_preprocess_cli_runs_as_in_the_readme(tmp_path):
     (tmp_path / "a_text_document.tokenizer-record.json").unlink()   # e.g. data made by Megatron-LM's tools
     with pytest.raises(config_lib.ConfigError, match="has no tokenizer record .* set data.vocab_size, data.eod_id"):
         config_lib.build(resolved(["data=megatron", paths], tmp_path), str(tmp_path))
+
+
+def test_phantom_sweep_has_the_segment_native_baseline(tmp_path):
+    """`python run.py -m experiment=phantom_sweep`: max_segs null is the segment-native kernel's job."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["experiment=phantom_sweep"], return_hydra_config=True)
+    swept = str(cfg.hydra.sweeper.params["kernel.max_segs"]).split(",")
+    assert swept[0] == "null" and [int(v) for v in swept[1:]] == [8, 16, 32, 64, 128]
+    for value, kernel in [("null", "chunked"), ("16", "chunked_aligned")]:
+        plain = resolved(["experiment=phantom_sweep", f"kernel.max_segs={value}", f"data.cache_dir={tmp_path}"],
+                         tmp_path)
+        rc = config_lib.build(plain, str(tmp_path))
+        assert (rc.kernel.name, rc.kernel.max_segs) == (kernel, None if value == "null" else 16)

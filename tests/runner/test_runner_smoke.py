@@ -25,8 +25,8 @@ def command(args, tmp_path):
     return [sys.executable, str(ROOT / "run.py"), *args, f"data.cache_dir={tmp_path / 'cache'}"]
 
 
-def run_py(args, tmp_path, timeout=900):
-    proc = subprocess.run(command(args, tmp_path), cwd=tmp_path, env=ENV, capture_output=True, text=True,
+def run_py(args, tmp_path, timeout=900, env=ENV):
+    proc = subprocess.run(command(args, tmp_path), cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -63,12 +63,15 @@ def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     assert "packing_parity_rel" not in stopped and not (run_dir / "loss.png").exists()  # no checks after a signal
     console = out + err
     assert "[absl][INFO]" not in console and "| mfu" in console   # CPU: mfu against the measured matmul ceiling
+    assert "mfu on CPU is approximate" in console
     assert console.count("step 1 | loss") == 1                      # one line per logged step
     assert console.count("kernel chunked (chunk 64, segment-native)") == 1
 
     with open(run_dir / "metrics.jsonl", "a") as handle:   # as if a later try was killed after logging step k+1
         handle.write(json.dumps({"step": k + 1, "lm_loss": 99.0}) + "\n")
-    proc = run_py([*args, f"train.steps={k + 2}"], tmp_path)   # resumes from the checkpoint at step k
+    # resumes from the checkpoint at step k; JAX_PLATFORMS unset, as a user runs it (JAX then probes for a TPU)
+    quiet_env = {key: value for key, value in ENV.items() if key != "JAX_PLATFORMS"}
+    proc = run_py([*args, f"train.steps={k + 2}"], tmp_path, env=quiet_env)
     logged = records(run_dir)
     assert [r["step"] for r in logged] == list(range(1, k + 3)) and logged[k]["lm_loss"] != 99.0
     for key in ("loss", "lm_loss", "grad_norm", "lr", "tokens", "tokens_per_s", "native_t_over_t",
@@ -86,6 +89,19 @@ def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     run_ids = {p.name.rsplit("-", 1)[-1] for p in run_dir.glob("wandb/offline-run-*")}
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 2 and len(run_ids) == 1   # one W&B run, resumed
     assert "lm_loss" in offline_run_keys(run_dir) and "lingpack run summary" in proc.stdout
+    # a quiet console: no JAX backend probing, no W&B banner or history, no Orbax restore warnings; the run
+    # directory and the W&B run at start and end; the summary in labelled rows; labelled evaluations
+    console = proc.stdout + proc.stderr
+    for noise in ("Unable to initialize backend", "wandb:", "could not be restored", "[absl]", "[jax"):
+        assert noise not in console, noise
+    assert console.count(f"run directory: {run_dir}") == 2 and console.count("W&B offline run: ") == 2
+    assert f"resumed from step {k} " in console
+    after = proc.stdout.split("lingpack run summary")[1].splitlines()[1:]
+    summary_rows = after[:next(i for i, row in enumerate(after) if not row.startswith("  "))]
+    labels = [row.split()[0] for row in summary_rows if not row.startswith(" " * 14)]  # not a wrapped row's rest
+    assert labels[:5] == ["run", "lm", "speed", "packing", "overflow"]
+    assert max(len(row) for row in summary_rows) <= 120 and len(summary_rows) <= 12
+    assert "(end of training: test batch" in console and "(periodic: valid batch" in console
 
 
 def test_overflowing_sweep_finishes_with_its_summary(tmp_path):
@@ -109,15 +125,46 @@ def test_overflowing_sweep_finishes_with_its_summary(tmp_path):
     assert "max_segs,phantom_overhead,dropped_documents,dropped_tokens,tokens_per_s" in header
 
 
+def one_line_error(args, cwd, env=ENV) -> str:
+    """run.py's output for a config it cannot run: exactly one line, `Error: ...`, status 1."""
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args, "logger=none"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("Error: "), lines
+    return lines[0]
+
+
+# The default suite's one-line case is test_too_few_devices_is_one_line_naming_the_key (a ConfigError raised once
+# JAX is up); these raise earlier, from the config build, which tests/runner/test_runner_config.py and
+# tests/data/test_data_budget.py check in-process.
 @pytest.mark.parametrize("override,message", [
-    ("kernel.name=fastest", "kernel.name='fastest' is not one of"),
-    ("train.steps=-1", "TrainConfig.steps=-1 must be >= 1"),
+    pytest.param("train.steps=-1", "TrainConfig.steps=-1 must be >= 1", marks=pytest.mark.slow),
+    pytest.param("kernel.name=fastest", "kernel.name='fastest' is not one of", marks=pytest.mark.slow),
     pytest.param("model.num_layers=0", "num_layers must be >= 1", marks=pytest.mark.slow),
     pytest.param("kernel.max_segs=0", "kernel.max_segs=0 must be >= 1", marks=pytest.mark.slow),
+    pytest.param("parallel=context data.seq_length=100", "data.seq_length=100 does not divide into 8 chunks",
+                 marks=pytest.mark.slow),
 ])
 def test_config_error_is_one_line(tmp_path, override, message):
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), override, "logger=none"], cwd=tmp_path, env=ENV,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 1
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], lines
+    assert message in one_line_error(override.split(), tmp_path)
+
+
+def test_too_few_devices_is_one_line_naming_the_key(tmp_path):
+    """parallel.cpu_devices gives the process its fake CPU devices before JAX starts (2 here, no count in
+    XLA_FLAGS); a mesh that needs more is one line naming the key to set."""
+    flags = " ".join(f for f in ENV["XLA_FLAGS"].split() if "device_count" not in f)
+    line = one_line_error(["parallel.tensor=3", "parallel.cpu_devices=2"], tmp_path, env=dict(ENV, XLA_FLAGS=flags))
+    assert line == ("Error: parallel: the mesh data=1 x fsdp=1 x tensor=3 x expert=1 x context=1 needs 3 devices, but "
+                    "this run has 2 cpu devices; set parallel.cpu_devices=3 (fake CPU devices), or set one axis to -1 "
+                    "('the rest') or make the axes multiply to 2")
+
+
+@pytest.mark.slow
+def test_truncated_data_file_is_one_line(tmp_path):
+    """A data file cut short (a failed copy): named with the fix in one line, before any training starts."""
+    from lingpack.data.corpus import bundled_corpus_prefix
+    prefix = bundled_corpus_prefix(str(tmp_path / "corpus"), "scene")
+    data = Path(prefix + ".bin").read_bytes()
+    Path(prefix + ".bin").write_bytes(data[: len(data) // 2])
+    line = one_line_error(["data=megatron", f"data.paths=[{prefix}]"], tmp_path)
+    assert line.startswith(f"Error: {prefix}.bin: truncated data file: {len(data) // 2} bytes") and "re-copy" in line

@@ -17,13 +17,17 @@ def state(vocab: int, out: str = "out") -> TrainState:
                       opt_state={"mu": jnp.zeros(3)}, rng=jnp.zeros(2, jnp.uint32))
 
 
-def test_restore_into_other_shapes_names_the_parameter_and_the_fix(tmp_path):
+def test_restore_into_other_shapes_names_the_parameter_and_the_fix(tmp_path, caplog):
     ckpt = Checkpointer(CheckpointConfig(directory=str(tmp_path / "ckpt"), async_save=False))
     ckpt.save(2, state(384), {"next": 2}, wait=True)
     device = SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, state(384))
-    restored, data = ckpt.restore(2, jax.eval_shape(lambda: state(384)), shardings)
+    ckpt = Checkpointer(CheckpointConfig(directory=str(tmp_path / "ckpt"), async_save=False))  # as a resumed run
+    with caplog.at_level("WARNING"):
+        assert ckpt.latest_step() == 2
+        restored, data = ckpt.restore(2, jax.eval_shape(lambda: state(384)), shardings)
     assert restored.params["embed"].shape == (384, 3) and data == {"next": 2}
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text  # Orbax reads what it holds
     with pytest.raises(ConfigError, match=r"holds another model: embed: checkpoint \(384, 3\), this run \(512, 3\)\. "
                                           r".*follows parallel.tensor"):
         ckpt.restore(2, jax.eval_shape(lambda: state(512)), shardings)

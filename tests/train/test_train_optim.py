@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from lingpack import precision
 from lingpack.train.configs import OptimConfig
 from lingpack.train.optim import applies_weight_decay, decay_mask, learning_rate, make_optimizer, resolve
 
@@ -33,17 +34,21 @@ def _megatron_scheduler(cfg: OptimConfig, optimizer):
                                    wd_incr_steps=cfg.decay_steps, wd_incr_style="constant")
 
 
+@pytest.mark.parametrize("master_dtype,rtol", [("float32", 1e-6), ("float64", 1e-15)])
 @pytest.mark.parametrize("schedule,warmup", [("cosine", 3), ("linear", 3), ("constant", 2), ("cosine", 0)])
-def test_schedule_matches_megatron(schedule, warmup):
+def test_schedule_matches_megatron(schedule, warmup, master_dtype, rtol):
+    """fp32, or float64 (as Megatron's Python floats, to 1 ulp) for float64 master weights."""
     _require_megatron()
-    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=warmup, decay_steps=10, schedule=schedule)
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=warmup, decay_steps=10, schedule=schedule,
+                      master_dtype=master_dtype)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = _megatron_scheduler(cfg, opt)
     ours = learning_rate(cfg)
-    for update in range(14):   # Megatron: the lr in place at num_steps = updates already applied
-        np.testing.assert_allclose(float(ours(update)), opt.param_groups[0]["lr"], rtol=1e-6, atol=1e-12,
-                                   err_msg=f"update {update}")
-        sched.step(1)
+    with precision.x64(master_dtype == "float64"):
+        for update in range(14):   # Megatron: the lr in place at num_steps = updates already applied
+            np.testing.assert_allclose(float(ours(update)), opt.param_groups[0]["lr"], rtol=rtol, atol=1e-20,
+                                       err_msg=f"update {update}")
+            sched.step(1)
 
 
 def _params(rng):

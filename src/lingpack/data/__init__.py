@@ -9,7 +9,7 @@ _EXPORTS = {
     "DataConfig": "lingpack.data.config",
     "make_iterator": "lingpack.data.pipeline",
     "make_dataset": "lingpack.data.pipeline",
-    "batch_stats": "lingpack.data.stats",
+    "batch_stats": "lingpack.data.segment_stats",
     "bundled_corpus_prefix": "lingpack.data.corpus",
     "BYTE_EOD_ID": "lingpack.data.tokenizer",
     "BYTE_PAD_ID": "lingpack.data.tokenizer",

@@ -24,6 +24,8 @@ import struct
 
 import numpy as np
 
+from lingpack.errors import ConfigError
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 HEADER_BYTES = 9 + 8 + 1 + 8 + 8
@@ -42,8 +44,12 @@ DTYPE_BY_CODE = {
 CODE_BY_DTYPE = {dtype: code for code, dtype in DTYPE_BY_CODE.items()}
 
 
-class IndexedDatasetError(ValueError):
-    """A `.bin`/`.idx` pair that cannot be read; the message names the file and the problem."""
+class IndexedDatasetError(ConfigError):
+    """A `.bin`/`.idx` pair that cannot be read; the message names the file and the problem (a user error)."""
+
+
+class DataFileNotFoundError(IndexedDatasetError, FileNotFoundError):
+    """A dataset prefix whose `.bin` or `.idx` does not exist."""
 
 
 def idx_path(prefix: str) -> str:
@@ -89,7 +95,7 @@ class IndexedDataset:
         index_file, data_file = idx_path(self.prefix), bin_path(self.prefix)
         for path in (index_file, data_file):
             if not os.path.isfile(path):
-                raise FileNotFoundError(
+                raise DataFileNotFoundError(
                     f"{path}: not found; a Megatron dataset prefix {self.prefix!r} needs both "
                     f"{self.prefix}.bin and {self.prefix}.idx (make them with "
                     "`python -m lingpack.data.preprocess`)"

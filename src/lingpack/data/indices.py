@@ -28,6 +28,8 @@ import re
 
 import numpy as np
 
+from lingpack.errors import ConfigError
+
 SPLIT_NAMES = ("train", "valid", "test")
 # Fraction of an epoch below which Megatron shuffles the final epoch on its own.
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
@@ -254,12 +256,12 @@ def build_gpt_indices(
     if seq_length < 2:
         raise ValueError(f"seq_length must be >= 2, got {seq_length}")
     if len(documents) == 0:
-        raise ValueError(f"{name}: the split has no documents; change the split or add data")
+        raise ConfigError(f"{name}: the split has no documents; give it a share of data.split or add data")
     tokens_per_epoch = int(np.asarray(sequence_lengths, dtype=np.int64)[documents].sum())
     if tokens_per_epoch < seq_length + 1:
-        raise ValueError(
+        raise ConfigError(
             f"{name}: {tokens_per_epoch} tokens in the split, shorter than one sample of "
-            f"seq_length + 1 = {seq_length + 1} tokens; use a shorter seq_length or more data"
+            f"data.seq_length + 1 = {seq_length + 1} tokens; lower data.seq_length or add data"
         )
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
 

@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from lingpack.data.indices import GPTIndices, parse_split
+from lingpack.errors import ConfigError, MissingFileError
 
 
 def default_cache_dir(prefix: str) -> str:
@@ -37,7 +38,7 @@ def _descriptions(cache_dir: str, class_name: str, split_name: str) -> list[tupl
         file_hash = os.path.basename(path).split("-", 1)[0]
         text_hash = hashlib.md5(text.encode("utf-8")).hexdigest()
         if text_hash != file_hash:
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: its content hashes to {text_hash}, not to its name; the Megatron cache "
                 "was edited or is corrupt, rebuild it"
             )
@@ -89,13 +90,14 @@ def find_gpt_indices(
     )
     if not matches:
         have = "; ".join(_summary(d) for _, d in candidates) or "none"
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{cache_dir}: no Megatron GPTDataset {split_name} indices for {want}. Found: {have}. "
-            "Point cache_dir at the Megatron run's --data-cache-path and use its seed, "
-            "seq_length, split and sample count, or use index_mode='build'"
+            "Point data.cache_dir at the Megatron run's --data-cache-path and use its seed, seq_length, "
+            "split and sample count (data.num_samples: its train iterations x global batch size), or use "
+            "data.index_mode=build"
         )
     if len(matches) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"{cache_dir}: {len(matches)} cached GPTDataset index sets match {want} (they differ "
             f"in tokenizer or other fields): {[base for base, _ in matches]}; keep one"
         )
@@ -112,8 +114,8 @@ def find_blend_indices(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Memory-map Megatron's BlendedDataset (dataset_index, dataset_sample_index) for a blend."""
     if cache_dir is None:
-        raise ValueError(
-            "index_mode='mmap_npy' with a blend needs cache_dir: Megatron caches blend indices "
+        raise ConfigError(
+            "data.index_mode=mmap_npy with a blend needs data.cache_dir: Megatron caches blend indices "
             "only under --data-cache-path"
         )
     candidates = _descriptions(cache_dir, "BlendedDataset", split_name)
@@ -127,7 +129,7 @@ def find_blend_indices(
         ):
             matches.append(base)
     if len(matches) != 1:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{cache_dir}: expected one cached Megatron BlendedDataset {split_name} index for "
             f"datasets {dataset_paths} with size {size}, found {len(matches)} ({matches})"
         )

@@ -25,9 +25,9 @@ import numpy as np
 from lingpack.data.config import DataConfig
 from lingpack.data.sampling import MegatronSamples, build_samples
 from lingpack.data.split import BATCH_KEYS, SplitOptions, split_window
-from lingpack.data.stats import batch_stats
+from lingpack.errors import ConfigError
 
-__all__ = ["DataConfig", "make_dataset", "make_iterator", "batch_stats", "BATCH_KEYS"]
+__all__ = ["DataConfig", "make_dataset", "make_iterator", "BATCH_KEYS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +110,9 @@ def make_dataset(
         raise ValueError(f"host rows {rows} must be a non-empty subset of the global batch's rows [0, {B})")
     samples = build_samples(cfg, split)
     if len(samples) < cfg.global_batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"the {split} split has {len(samples)} samples, fewer than one global batch of "
-            f"{cfg.global_batch_size}; add data, lower global_batch_size or raise num_samples"
+            f"{cfg.global_batch_size}; add data, lower data.global_batch_size or raise data.num_samples"
         )
     host_rows = HostRows(samples, B, tuple(int(r) for r in rows))
     return (

@@ -20,6 +20,7 @@ from lingpack.data import megatron_cache
 from lingpack.data.config import DataConfig
 from lingpack.data.indexed import IndexedDataset
 from lingpack.data.sources import FlatTokenDocuments, SyntheticDocuments
+from lingpack.errors import ConfigError
 
 CACHE_FORMAT_VERSION = 1
 
@@ -61,9 +62,9 @@ class MegatronSamples:
         if self.vocab_size is not None:
             bad = (window >= self.vocab_size) | ((window < 0) & (window != self.pad_id))
             if bad.any():
-                raise ValueError(
+                raise ConfigError(
                     f"{documents.name}: token id {int(window[np.argmax(bad)])} in sample {sample} "
-                    f"is outside the vocabulary [0, {self.vocab_size}); set vocab_size to the "
+                    f"is outside the vocabulary [0, {self.vocab_size}); set data.vocab_size to the "
                     "tokenizer's vocabulary size or re-tokenize the data"
                 )
         return window
@@ -96,7 +97,7 @@ def build_samples(cfg: DataConfig, split_name: str = "train") -> MegatronSamples
     size = cfg.num_samples if split_name == "train" else cfg.eval_num_samples
     if cfg.num_epochs is not None:
         if len(documents) > 1:
-            raise ValueError("num_epochs needs a single dataset; give a blend num_samples instead")
+            raise ConfigError("data.num_epochs needs a single dataset; give a blend data.num_samples instead")
         size = _samples_for_epochs(cfg, documents[0], split_name)
 
     def gpt(dataset: int, num_samples: int | None) -> ix.GPTIndices:
@@ -109,9 +110,9 @@ def build_samples(cfg: DataConfig, split_name: str = "train") -> MegatronSamples
 
     if weights is not None:
         if size is None:
-            raise ValueError(
+            raise ConfigError(
                 f"a weighted blend needs a sample count for the {split_name} split: set "
-                f"{'num_samples' if split_name == 'train' else 'eval_num_samples'}"
+                f"{'data.num_samples' if split_name == 'train' else 'data.eval_num_samples'}"
             )
         weights = ix.normalize_weights(weights)
         targets = ix.blend_sample_counts(weights, size)

@@ -11,6 +11,8 @@ import os
 
 import numpy as np
 
+from lingpack.errors import ConfigError, MissingFileError
+
 
 def synthetic_lengths(
     num_documents: int,
@@ -93,18 +95,18 @@ class FlatTokenDocuments:
 
     def _open(self) -> None:
         if not os.path.isfile(self.path):
-            raise FileNotFoundError(f"{self.path}: token file not found")
+            raise MissingFileError(f"{self.path}: token file not found (data.paths, data.source=npy)")
         try:
             self.tokens = np.load(self.path, mmap_mode="r", allow_pickle=False)
         except ValueError as error:
-            raise ValueError(f"{self.path}: not a readable .npy token array ({error})") from error
+            raise ConfigError(f"{self.path}: not a readable .npy token array ({error})") from error
         if self.tokens.ndim != 1 or self.tokens.dtype.kind not in "iu":
-            raise ValueError(
+            raise ConfigError(
                 f"{self.path}: expected a 1-D integer token array, got {self.tokens.dtype} "
                 f"of shape {self.tokens.shape}"
             )
         if self.tokens.size == 0:
-            raise ValueError(f"{self.path}: the token array is empty")
+            raise ConfigError(f"{self.path}: the token array is empty")
         ends = np.flatnonzero(np.asarray(self.tokens) == self.eod_id) + 1
         if ends.size == 0 or ends[-1] != self.tokens.size:
             ends = np.append(ends, self.tokens.size)

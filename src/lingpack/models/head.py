@@ -1,7 +1,7 @@
 """The output head and its cross-entropy: whole-vocabulary logits, or one vocabulary chunk at a time.
 
 The model returns each head (the main one and each MTP depth's) unevaluated, as an `LMHead`: the
-final-normed hidden state and the head weight, both fp32. The loss asks it for `xent(targets)`:
+final-normed hidden state and the head weight, both fp32 (float64 for a float64 model). The loss asks it for `xent(targets)`:
 
 * `chunk = 0`: `logits()` ([B, T, V] fp32 through `head_matmul`), then logsumexp and the target's logit.
 * `chunk = C`: one scan over ceil(V / C) column chunks with an online logsumexp (running max m, running
@@ -28,6 +28,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from lingpack.parallel.layout import axis_tuple, constrain, current_layout
+from lingpack.precision import at_least_fp32
 
 LOGITS = ("batch", "length", "vocab")
 
@@ -73,8 +74,8 @@ def _nan_unless_in_vocab(target_logit, targets, vocab: int):
 
 
 def token_xent(logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(cross-entropy [B,T], logsumexp [B,T]), in fp32: log-softmax over a large vocab needs it."""
-    logits = logits_BTV.astype(jnp.float32)
+    """(cross-entropy [B,T], logsumexp [B,T]), in fp32 (or float64): log-softmax over a large vocab needs it."""
+    logits = logits_BTV.astype(at_least_fp32(logits_BTV.dtype))
     lse_BT = jax.nn.logsumexp(logits, axis=-1)
     target_logit_BT = _nan_unless_in_vocab(pick(logits, targets_BT), targets_BT, logits.shape[-1])
     return lse_BT - target_logit_BT, lse_BT
@@ -118,7 +119,8 @@ def _chunked_xent_fwd(h_ND, w, targets_N, chunk, vocab_axis, axes, vocab):
         target_N = target_N + pick(jnp.where(valid, logits, 0.0), targets_N, offset + start)
         return (m_new, s_N, target_N), None
 
-    init = (jnp.full((N,), -jnp.inf, jnp.float32), jnp.zeros((N,), jnp.float32), jnp.zeros((N,), jnp.float32))
+    acc = h_ND.dtype   # the head's dtype (fp32, or float64): the statistics accumulate in it
+    init = (jnp.full((N,), -jnp.inf, acc), jnp.zeros((N,), acc), jnp.zeros((N,), acc))
     (m_N, s_N, target_N), _ = jax.lax.scan(body, init, jnp.arange(_num_chunks(w, chunk, vocab_axis)))
     if axes:   # the vocabulary split over devices: combine the per-device max, sum and target logit
         m_all = jax.lax.pmax(m_N, axes)
@@ -155,7 +157,7 @@ def _chunked_xent_bwd(chunk, vocab_axis, axes, vocab, res, g):
             dw, jax.lax.dynamic_slice_in_dim(dw, start, chunk, axis=vocab_axis) + dw_c, start, axis=vocab_axis)
         return (dh_ND, dw), None
 
-    init = (jnp.zeros(h_ND.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32))
+    init = (jnp.zeros(h_ND.shape, h_ND.dtype), jnp.zeros(w.shape, w.dtype))   # fp32 (float64) accumulators
     (dh_ND, dw), _ = jax.lax.scan(body, init, jnp.arange(_num_chunks(w, chunk, vocab_axis)))
     return dh_ND.astype(h_ND.dtype), dw.astype(w.dtype), None
 

@@ -2,12 +2,12 @@
 
     q, k, v = silu(conv_q(q_proj x)), silu(conv_k(k_proj x)), silu(conv_v(v_proj x))   (segment-masked convs)
     g       = gate(f_b_proj(f_a_proj x); A_log, dt_bias)     softplus form, or the safe form with lower_bound
-    beta    = sigmoid(b_proj x)                              (fp32)
+    beta    = sigmoid(b_proj x)                              (fp32, or float64)
     o       = chunk_kda(l2norm(q), l2norm(k), v, g, beta; segment_ids)
     y       = o_proj(gated_rmsnorm_per_head(o, g_b_proj(g_a_proj x)))
 
 Parameter names follow FLA/transformers (`q_proj`, `f_a_proj`, `A_log`, `dt_bias`, ...), which keeps
-weight conversion a table. `A_log` and `dt_bias` are fp32 and should get no weight decay.
+weight conversion a table. `A_log` and `dt_bias` are fp32 (float64 with float64 parameters) and get no weight decay.
 The kernel is reached only through `lingpack.kernels.kda.api.chunk_kda`.
 """
 
@@ -24,6 +24,7 @@ from lingpack.kernels.kda.api import chunk_kda
 from lingpack.models.layers import GatedRMSNorm, ShortConvolution, dense, partitioned
 from lingpack.parallel.context import current
 from lingpack.parallel.kda_cp import chunk_kda_context_parallel
+from lingpack.precision import at_least_fp32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +67,18 @@ class KDA(nnx.Module):
         self.v_conv = ShortConvolution(H * K, cfg.conv_size, **kw)
         self.f_a_proj = dense(emb_dim, K, ("embed", "kv"), **kw)
         self.f_b_proj = dense(K, H * K, ("kv", "heads"), **kw)
-        # Gate parameters stay fp32 whatever param_dtype: the decay exp(g) compounds over thousands of steps.
-        self.A_log = nnx.Param(partitioned(lambda key, shape, dtype: kda_gate.init_a_log(key, H), ("heads",))(
-            rngs.params(), (H,), jnp.float32))
-        self.dt_bias = nnx.Param(partitioned(lambda key, shape, dtype: kda_gate.init_dt_bias(key, H * K), ("heads",))(
-            rngs.params(), (H * K,), jnp.float32))
+        # Gate parameters are fp32 (float64 with float64 params) whatever param_dtype: the decay exp(g) compounds
+        # over thousands of steps.
+        gate_dtype = at_least_fp32(param_dtype)
+        self.A_log = nnx.Param(partitioned(lambda key, shape, dtype: kda_gate.init_a_log(key, H, dtype), ("heads",))(
+            rngs.params(), (H,), gate_dtype))
+        self.dt_bias = nnx.Param(partitioned(lambda key, shape, dtype: kda_gate.init_dt_bias(key, H * K, dtype=dtype),
+                                             ("heads",))(rngs.params(), (H * K,), gate_dtype))
         self.b_proj = dense(emb_dim, H, ("embed", "heads"), **kw)
         self.g_a_proj = dense(emb_dim, K, ("embed", "kv"), **kw)
         self.g_b_proj = dense(K, H * K, ("kv", "heads"), **kw)
-        self.o_norm = GatedRMSNorm(K, eps=norm_eps, activation=cfg.gate_activation, dtype=dtype)
+        self.o_norm = GatedRMSNorm(K, eps=norm_eps, activation=cfg.gate_activation, dtype=dtype,
+                                   param_dtype=at_least_fp32(param_dtype))  # fp32 norm weight (float64 with float64)
         self.o_proj = dense(H * K, emb_dim, ("heads", "embed"), **kw)
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
@@ -85,7 +89,9 @@ class KDA(nnx.Module):
         k_BTHK = heads(self.k_conv(self.k_proj(x_BTD), segment_ids_BT))
         v_BTHV = heads(self.v_conv(self.v_proj(x_BTD), segment_ids_BT))
         g_raw_BTHK = heads(self.f_b_proj(self.f_a_proj(x_BTD)))
-        beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))  # fp32: beta near 0/1 matters in the erase
+        b_BTH = self.b_proj(x_BTD)
+        # fp32 or wider: beta near 0/1 matters in the erase
+        beta_BTH = jax.nn.sigmoid(b_BTH.astype(at_least_fp32(b_BTH.dtype)))
         kernel = dict(impl=self.kernel.impl, chunk_size=self.kernel.chunk_size, max_segs=self.kernel.max_segs,
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log[...],
                       dt_bias=self.dt_bias[...], lower_bound=self.cfg.lower_bound,

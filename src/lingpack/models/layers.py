@@ -1,7 +1,8 @@
 """Building blocks shared by every layer: norms, RoPE, SwiGLU MLP, the segment-masked short convolution.
 
 Parameters carry logical axis names (see `ling3.py`'s docstring for the set); compute happens in the
-module's `dtype`, numerically sensitive parts (norm statistics, RoPE angles) in fp32.
+module's `dtype`, numerically sensitive parts (norm statistics, RoPE angles) in fp32, or in the compute dtype
+when it is wider (float64: `precision.at_least_fp32`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from flax import nnx
 
 from lingpack.parallel.context import current
 from lingpack.parallel.halo import context_neighbours
+from lingpack.precision import at_least_fp32
 
 DEFAULT_INIT = nnx.initializers.normal(stddev=0.02)  # DeepSeek/HF initializer_range
 
@@ -21,16 +23,6 @@ DEFAULT_INIT = nnx.initializers.normal(stddev=0.02)  # DeepSeek/HF initializer_r
 def partitioned(init, axes: tuple[str | None, ...]):
     """`init` with logical axis names; lazy (no mesh needed here): the training code maps names to mesh axes."""
     return nnx.with_partitioning(init, axes, eager_sharding=False)
-
-
-def as_dtype(name) -> jnp.dtype:
-    """'float32' / 'bfloat16' (or a dtype) -> jnp.dtype, with an error naming the valid choices."""
-    valid = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-    if isinstance(name, str):
-        if name not in valid:
-            raise ValueError(f"unknown dtype {name!r}; valid choices: {sorted(valid)}")
-        return jnp.dtype(valid[name])
-    return jnp.dtype(name)
 
 
 def dense(in_dim: int, out_dim: int, axes: tuple[str, str], *, dtype, param_dtype, rngs: nnx.Rngs,
@@ -41,13 +33,13 @@ def dense(in_dim: int, out_dim: int, axes: tuple[str, str], *, dtype, param_dtyp
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) over the last axis, in fp32 (bf16 squares lose the mean's precision)."""
-    x32 = x.astype(jnp.float32)
+    """x * rsqrt(mean(x^2) + eps) over the last axis, in fp32 or wider (bf16 squares lose the mean's precision)."""
+    x32 = x.astype(at_least_fp32(x.dtype))
     return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nnx.Module):
-    """y = rmsnorm(x) * weight; statistics and the product in fp32, result in `dtype` (or x's dtype)."""
+    """y = rmsnorm(x) * weight; statistics and the product in fp32 or wider, result in `dtype` (or x's dtype)."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.eps = eps
@@ -55,7 +47,8 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(partitioned(nnx.initializers.ones, ("norm",))(None, (dim,), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = rms_normalize(x, self.eps) * self.weight[...].astype(jnp.float32)
+        y = rms_normalize(x, self.eps)
+        y = y * self.weight[...].astype(y.dtype)
         return y.astype(self.dtype or x.dtype)
 
 
@@ -63,7 +56,7 @@ GATE_ACTIVATIONS = {"sigmoid": jax.nn.sigmoid, "silu": jax.nn.silu}
 
 
 class GatedRMSNorm(nnx.Module):
-    """y = rmsnorm(x) * weight * act(gate), act in {sigmoid (FLA, Moonshot), silu}; all in fp32."""
+    """y = rmsnorm(x) * weight * act(gate), act in {sigmoid (FLA, Moonshot), silu}; all in fp32 or wider."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6, activation: str = "sigmoid", dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
@@ -75,8 +68,9 @@ class GatedRMSNorm(nnx.Module):
         self.weight = nnx.Param(partitioned(nnx.initializers.ones, ("norm",))(None, (dim,), param_dtype))
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        y = rms_normalize(x, self.eps) * self.weight[...].astype(jnp.float32)
-        y = y * GATE_ACTIVATIONS[self.activation](gate.astype(jnp.float32))  # gate in fp32 like FLA's fused kernel
+        y = rms_normalize(x.astype(at_least_fp32(x.dtype, gate.dtype)), self.eps)
+        y = y * self.weight[...].astype(y.dtype)
+        y = y * GATE_ACTIVATIONS[self.activation](gate.astype(y.dtype))  # gate in fp32 (or wider), as FLA's kernel
         return y.astype(self.dtype or x.dtype)
 
 
@@ -93,10 +87,11 @@ def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, *, theta: float = 100
     if rotary_dim % 2 or not 0 < rotary_dim <= D:
         raise ValueError(f"rotary_dim must be even and in (0, {D}]; got {rotary_dim}")
     half = rotary_dim // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rotary_dim)
-    angles_BT1F = (positions_BT.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]  # fp32: large positions
+    wide = at_least_fp32(x_BTHD.dtype)  # angles in fp32 (or wider): bf16 angles of large positions are useless
+    inv_freq = theta ** (-jnp.arange(half, dtype=wide) * 2.0 / rotary_dim)
+    angles_BT1F = (positions_BT.astype(wide)[..., None] * inv_freq)[:, :, None, :]
     cos, sin = jnp.cos(angles_BT1F), jnp.sin(angles_BT1F)
-    x32 = x_BTHD.astype(jnp.float32)
+    x32 = x_BTHD.astype(wide)
     rot, rest = x32[..., :rotary_dim], x32[..., rotary_dim:]
     if interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
@@ -139,13 +134,14 @@ def segment_causal_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: 
     """
     K = kernel_KC.shape[0]
     T = x_BTC.shape[1]
-    y = jnp.zeros(x_BTC.shape, jnp.float32)  # accumulate the K taps in fp32
+    wide = at_least_fp32(x_BTC.dtype, kernel_KC.dtype)  # accumulate the K taps in fp32 (or wider)
+    y = jnp.zeros(x_BTC.shape, wide)
     for lag in range(K):
         x_src = jnp.pad(x_BTC, [(0, 0), (lag, 0), (0, 0)])[:, :T]
         if segment_ids_BT is not None and lag:
             seg_src = jnp.pad(segment_ids_BT, [(0, 0), (lag, 0)], constant_values=-1)[:, :T]
             x_src = jnp.where((seg_src == segment_ids_BT)[..., None], x_src, 0)
-        y = y + x_src.astype(jnp.float32) * kernel_KC[K - 1 - lag].astype(jnp.float32)
+        y = y + x_src.astype(wide) * kernel_KC[K - 1 - lag].astype(wide)
     return y.astype(x_BTC.dtype)
 
 

@@ -1,5 +1,8 @@
 """The Ling3 hybrid LM: embeddings -> [KDA | MLA] x (dense | MoE) layers -> final norm -> fp32 logits (+ MTP).
 
+Logits, routing and every statistic are fp32 whatever the compute dtype, float64 when it is float64 (dtypes
+`lingpack.precision.DTYPES`; float64 runs in JAX's x64 mode).
+
 Layer pattern (REFERENCE.md §3): layer i (0-indexed) is MLA iff (i + 1) % inhomogeneous_layer_cycle_interval
 == 0, else KDA; layers i < first_dense_layers use a dense SwiGLU (mlp_dim), the rest MoE. MTP layers are
 MLA. Every input is packed: `segment_ids` (1, 2, 3... per row, 0 = padding) keep documents apart in
@@ -35,17 +38,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from lingpack.kernels.attention.api import IMPLS as ATTENTION_IMPLS
+from lingpack.kernels.attention.api import CHOICES as ATTENTION_CHOICES
+from lingpack.kernels.attention.api import FP32_KERNELS as ATTENTION_FP32_KERNELS
 from lingpack.kernels.kda import api as kda_api
 from lingpack.models.block import DecoderLayer, LayerSpec, parts
 from lingpack.models.head import LMHead, head_matmul  # noqa: F401  (head_matmul re-exported)
 from lingpack.models.kda import KDAConfig, KDAKernel
-from lingpack.models.layers import DEFAULT_INIT, RMSNorm, as_dtype, partitioned
+from lingpack.models.layers import DEFAULT_INIT, RMSNorm, partitioned
 from lingpack.models.mla import MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
 from lingpack.models.mtp import MTPConfig, MTPLayer, roll_and_mask_by_segment
 from lingpack.models.stack import LayerStack
 from lingpack.parallel.layout import BTD, constrain
+from lingpack.precision import as_dtype, at_least_fp32
 
 # What a remat'ed layer keeps for the backward pass (jax.checkpoint_policies); the rest is recomputed.
 REMAT_POLICIES = {
@@ -94,8 +99,8 @@ class Ling3Config:
             raise ValueError(f"vocab_chunk_size must be >= 0 (0 = the whole vocabulary at once); got {self.vocab_chunk_size}")
         if self.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers must be >= 0; got {self.mtp_num_layers}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"unknown attention_impl {self.attention_impl!r}; valid choices: {list(ATTENTION_IMPLS)}")
+        if self.attention_impl not in ATTENTION_CHOICES:
+            raise ValueError(f"unknown attention_impl {self.attention_impl!r}; valid choices: {list(ATTENTION_CHOICES)}")
         if self.kda_impl not in kda_api.names():
             raise ValueError(f"unknown kda_impl {self.kda_impl!r}; valid choices: {list(kda_api.names())}")
         if kda_api.needs_max_segs(self.kda_impl) and not self.kda_max_segs:
@@ -103,6 +108,13 @@ class Ling3Config:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"unknown remat_policy {self.remat_policy!r}; valid choices: {list(REMAT_POLICIES)}")
         as_dtype(self.dtype), as_dtype(self.param_dtype)
+        if "float64" in (self.dtype, self.param_dtype):
+            if self.kda_impl.startswith("pallas"):
+                raise ValueError(f"kda_impl={self.kda_impl!r} is a TPU kernel computing in fp32 (TPUs have no "
+                                 "float64); a float64 model needs kernel=chunked or kernel=reference")
+            if self.attention_impl in ATTENTION_FP32_KERNELS:
+                raise ValueError(f"attention_impl={self.attention_impl!r} is a Pallas kernel computing in fp32; a "
+                                 "float64 model needs model.attention_impl=dot_product, flash or auto")
 
     def layer_kinds(self) -> list[tuple[str, str]]:
         """(mixer, ffn) per main layer, e.g. [('kda', 'dense'), ('kda', 'moe'), ('kda', 'moe'), ('mla', 'moe')]."""
@@ -180,11 +192,12 @@ class Ling3(nnx.Module):
 
     def head(self, h_BTD: jax.Array) -> LMHead:
         """Final norm, then the unevaluated fp32 head (fp32 weights and product: softmax over a large vocab needs
-        it); its cross-entropy runs per `vocab_chunk_size` columns when that is set."""
-        h = self.norm(h_BTD).astype(jnp.float32)
+        it; float64 for a float64 model); its cross-entropy runs per `vocab_chunk_size` columns when that is set."""
+        h = self.norm(h_BTD)
+        h = h.astype(at_least_fp32(h.dtype))
         if self.cfg.tie_embeddings:   # the [V, D] table itself: chunks slice its rows, nothing is transposed
-            return LMHead(h, self.embed_tokens.embedding[...].astype(jnp.float32), 0, self.cfg.vocab_chunk_size)
-        return LMHead(h, self.lm_head[...].astype(jnp.float32), 1, self.cfg.vocab_chunk_size)
+            return LMHead(h, self.embed_tokens.embedding[...].astype(h.dtype), 0, self.cfg.vocab_chunk_size)
+        return LMHead(h, self.lm_head[...].astype(h.dtype), 1, self.cfg.vocab_chunk_size)
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         """fp32 [B, T, V] logits of a final hidden state (the head, materialised)."""

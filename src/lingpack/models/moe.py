@@ -1,12 +1,14 @@
 """Ling / DeepSeek-V3 style mixture of experts with dropless dispatch.
 
-Routing (fp32): `scores = sigmoid(x @ router)`; experts are CHOSEN by `scores + expert_bias` (the
-auxiliary-loss-free balancing bias), optionally limited to the `topk_groups` best of `n_groups` groups
-(a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the unbiased
-scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
+Routing (fp32, float64 with a float64 model): `scores = sigmoid(x @ router)`; experts are CHOSEN by `scores +
+expert_bias` (the auxiliary-loss-free balancing bias), optionally limited to the `topk_groups` best of
+`n_groups` groups (a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the
+unbiased scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
 Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
-token is ever dropped: `jax.lax.ragged_dot` on accelerators, `tiled_grouped_matmul` on CPU, where
-ragged_dot computes every row against every expert (E times the work; bench_train.py measured it).
+token is ever dropped: `jax.lax.ragged_dot` on TPU (XLA:TPU's grouped matmul), `tiled_grouped_matmul` on
+CPU and GPU, where XLA expands ragged_dot into a dense dot of every row against every expert (E times the
+work). bench_train.py measured that on CPU; on NVIDIA GPUs the expansion is
+openxla/xla:xla/hlo/transforms/expanders/ragged_dot_rewriter.cc, unless an experimental cuDNN flag is set.
 Shared experts see every token. Under context parallelism every device dispatches its own tokens.
 
 `expert_bias` is an `ExpertBias` variable, not an `nnx.Param`: gradients never reach it; it moves only
@@ -29,6 +31,7 @@ from lingpack import backend
 from lingpack.models.layers import DEFAULT_INIT, MLP, partitioned
 from lingpack.parallel.context import current, dividing_axes
 from lingpack.parallel.layout import axis_tuple, constrain, current_layout
+from lingpack.precision import at_least_fp32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +46,7 @@ class MoEConfig:
     norm_topk_prob: bool = False
     bias_update_rate: float = 1e-3        # used by the training loop's `update_expert_bias` call
     z_loss_coef: float = 0.0              # Ling3: 2.9e-6; the loss module scales `router_z_loss` by it
-    grouped_matmul: str = "auto"          # "ragged_dot", "tiled", or "auto" (tiled on CPU, else ragged_dot)
+    grouped_matmul: str = "auto"          # "ragged_dot", "tiled", or "auto" (GROUPED_MATMUL_AUTO per platform)
 
     def __post_init__(self):
         E, G = self.num_experts, self.n_groups
@@ -63,6 +66,7 @@ class MoEConfig:
 
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+GROUPED_MATMUL_AUTO = {"tpu": "ragged_dot", "gpu": "tiled", "cpu": "tiled"}   # the module docstring says why
 TILE_ROWS = 32  # rows per tile of `tiled_grouped_matmul`: at most E * (TILE_ROWS - 1) filler rows per call
 
 
@@ -121,11 +125,11 @@ def _expert_weight_specs(layout, tokens: P, shapes) -> tuple[list[P], tuple, tup
 
 
 class ExpertBias(nnx.Variable):
-    """Auxiliary-loss-free routing bias: fp32, excluded from gradients and weight decay."""
+    """Auxiliary-loss-free routing bias: the router's dtype, excluded from gradients and weight decay."""
 
 
 def route(logits_NE: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """(top-k expert indices int32 [N, k], combine weights fp32 [N, k]) from fp32 router logits."""
+    """(top-k expert indices int32 [N, k], combine weights [N, k] in the logits' dtype) from router logits."""
     N, E = logits_NE.shape
     scores = jax.nn.sigmoid(logits_NE)
     choice = scores + bias_E  # the bias only changes WHICH experts are chosen, not their weights
@@ -147,9 +151,11 @@ class MoE(nnx.Module):
     def __init__(self, cfg: MoEConfig, emb_dim: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
         E, D, I = cfg.num_experts, emb_dim, cfg.expert_dim
-        # The router stays fp32: bf16 logits flip near-tied expert choices between steps.
-        self.router = nnx.Param(partitioned(DEFAULT_INIT, ("embed", "exp"))(rngs.params(), (D, E), jnp.float32))
-        self.expert_bias = ExpertBias(partitioned(nnx.initializers.zeros, ("exp",))(None, (E,), jnp.float32))
+        # Routing is fp32 whatever the compute dtype (bf16 logits flip near-tied expert choices between steps);
+        # float64 when the model computes in float64.
+        self.routing_dtype = at_least_fp32(dtype, param_dtype)
+        self.router = nnx.Param(partitioned(DEFAULT_INIT, ("embed", "exp"))(rngs.params(), (D, E), self.routing_dtype))
+        self.expert_bias = ExpertBias(partitioned(nnx.initializers.zeros, ("exp",))(None, (E,), self.routing_dtype))
         self.wi_gate = nnx.Param(partitioned(DEFAULT_INIT, ("exp", "embed", "mlp"))(rngs.params(), (E, D, I), param_dtype))
         self.wi_up = nnx.Param(partitioned(DEFAULT_INIT, ("exp", "embed", "mlp"))(rngs.params(), (E, D, I), param_dtype))
         self.wo = nnx.Param(partitioned(DEFAULT_INIT, ("exp", "mlp", "embed"))(rngs.params(), (E, I, D), param_dtype))
@@ -184,7 +190,7 @@ class MoE(nnx.Module):
     def _route_and_dispatch(self, x_BTD, router_DE, bias_E, wi_gate, wi_up, wo):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        logits_NE = x_ND.astype(jnp.float32) @ router_DE  # fp32 routing (see the router's comment)
+        logits_NE = x_ND.astype(self.routing_dtype) @ router_DE  # fp32 routing (see the router's comment)
         idx_NK, weights_NK = route(logits_NE, bias_E, self.cfg)
         y_ND = self._dispatch(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo)
         return y_ND.reshape(B, T, D), idx_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1)
@@ -197,13 +203,14 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat_expert, stable=True)
         x_sorted = x_ND[order // k].astype(self.dtype)
         group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
-        tiled = self.cfg.grouped_matmul == "tiled" or (self.cfg.grouped_matmul == "auto" and backend.current() == "cpu")
-        grouped = tiled_grouped_matmul if tiled else jax.lax.ragged_dot
-        mm = lambda a, w: grouped(a, w.astype(self.dtype), group_sizes,
-                                  preferred_element_type=jnp.float32)  # fp32 accumulation for bf16
+        choice = self.cfg.grouped_matmul
+        choice = GROUPED_MATMUL_AUTO[backend.current()] if choice == "auto" else choice
+        grouped = tiled_grouped_matmul if choice == "tiled" else jax.lax.ragged_dot
+        wide = at_least_fp32(self.dtype)  # fp32 accumulation for bf16 (float64 for float64)
+        mm = lambda a, w: grouped(a, w.astype(self.dtype), group_sizes, preferred_element_type=wide)
         h = jax.nn.silu(mm(x_sorted, wi_gate)) * mm(x_sorted, wi_up)
         y_sorted = mm(h.astype(self.dtype), wo)
-        y_NKD = jnp.zeros((N * k, D), jnp.float32).at[order].set(y_sorted).reshape(N, k, D)
+        y_NKD = jnp.zeros((N * k, D), wide).at[order].set(y_sorted).reshape(N, k, D)
         return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK).astype(self.dtype)
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -219,7 +226,7 @@ class MoE(nnx.Module):
         idx_NK, logits_NE = idx_BTK.reshape(B * T, -1), logits_BTE.reshape(B * T, -1)
         aux = {"router_z_loss": jnp.sum(jnp.where(real_BT, z_BT, 0.0)),
                "load_counts": jax.lax.stop_gradient(load_E),
-               "num_tokens": jnp.sum(real_BT).astype(jnp.float32),
+               "num_tokens": jnp.sum(real_BT).astype(logits_BTE.dtype),
                # the routing trace (parity/routing.py); unused outputs cost nothing under jit
                "expert_ids": idx_NK, "router_logits": jax.lax.stop_gradient(logits_NE),
                "expert_bias": self.expert_bias[...]}
@@ -235,10 +242,11 @@ def update_expert_bias(model, load_counts, rate: float) -> None:
     """
     layers = model.moe_layers() if hasattr(model, "moe_layers") else [model]
     layers = [entry if isinstance(entry, tuple) else (entry, ()) for entry in layers]
-    load_counts = jnp.asarray(load_counts, jnp.float32).reshape(len(layers), -1)
+    load_counts = jnp.asarray(load_counts).reshape(len(layers), -1)  # counts: exact in any float dtype
     for (moe, index), load_E in zip(layers, load_counts):
         bias_E = moe.expert_bias[...][index]
         if load_E.shape != bias_E.shape:
             raise ValueError(f"load_counts rows must have {bias_E.shape[0]} experts; got {load_E.shape}")
+        load_E = load_E.astype(bias_E.dtype)
         bias_E = bias_E + rate * jnp.sign(jnp.mean(load_E) - load_E)  # underloaded experts rise
         moe.expert_bias[...] = moe.expert_bias[...].at[index].set(bias_E - jnp.mean(bias_E))

@@ -31,6 +31,7 @@ from lingpack.models.block import DecoderLayer, LayerSpec
 from lingpack.models.layers import RMSNorm, dense
 from lingpack.parallel.context import current
 from lingpack.parallel.halo import context_neighbours
+from lingpack.precision import at_least_fp32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ def _roll_and_mask(x_BT: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
 
 def mtp_targets(targets_BT: jax.Array, targets_segmentation_BT: jax.Array, depth: int,
                 segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(targets [B,T] int32, mask [B,T] fp32) for MTP depth `depth` (0-indexed): targets[t + 1 + depth].
+    """(targets [B,T] int32, mask [B,T] fp32 (0/1: a format)) for MTP depth `depth` (0-indexed): targets[t + 1 + depth].
 
     The mask is the rolled loss mask (`targets_segmentation != 0`), zeroed where the roll leaves the
     document. Pass `segment_ids_BT` = inputs_segmentation (documents); without it the rolls use
@@ -77,11 +78,12 @@ def mtp_targets(targets_BT: jax.Array, targets_segmentation_BT: jax.Array, depth
 
 
 def mtp_loss_terms(mtp_logits: list, targets_BT, targets_segmentation_BT, segment_ids_BT=None):
-    """[(sum of masked fp32 cross-entropy, token count)] per depth."""
+    """[(sum of masked fp32 (or float64) cross-entropy, token count)] per depth."""
     terms = []
     for d, logits_BTV in enumerate(mtp_logits):
         tgt, mask = mtp_targets(targets_BT, targets_segmentation_BT, d, segment_ids_BT)
-        logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)  # fp32: log-probs of a large vocab
+        # fp32 (or wider): log-probs of a large vocab
+        logp = jax.nn.log_softmax(logits_BTV.astype(at_least_fp32(logits_BTV.dtype)), axis=-1)
         xent = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
         terms.append((jnp.sum(xent * mask), jnp.sum(mask)))
     return terms

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from lingpack.kernels.kda.api import chunk_kda
 from lingpack.parallel import reorder
 from lingpack.parallel.context import dividing_axes
+from lingpack.precision import at_least_fp32
 
 HIGHEST = jax.lax.Precision.HIGHEST  # the fold chains N state products: keep them fp32-exact on TPU too
 ARRAY_KWARGS = ("A_log", "dt_bias")  # kernel keyword arguments that are arrays (replicated parameters)
@@ -71,8 +72,8 @@ def _fold(seq, initial_state_BHKV):
 def kda_context_shard(q, k, v, g, beta, segment_ids, *, axis_name: str = "context", load_balance: bool = False,
                       initial_state=None, **kernel_kwargs):
     """Call inside `shard_map`: this device's tokens of each row, `[B, Tl, H, *]` in the layout of reorder.py
-    (zigzag when `load_balance`) -> (o [B, Tl, H, V] in v's dtype, final state [B, H, K, V] fp32 of each whole
-    row, the same on every device). `initial_state` [B, H, K, V] seeds each row's first document;
+    (zigzag when `load_balance`) -> (o [B, Tl, H, V] in v's dtype, final state [B, H, K, V] fp32 (or wider) of
+    each whole row, the same on every device). `initial_state` [B, H, K, V] seeds each row's first document;
     `kernel_kwargs` go to `chunk_kda` (impl, chunk_size, gate / L2-norm fusion, ...).
     """
     B, Tl, H, K = q.shape
@@ -81,8 +82,9 @@ def kda_context_shard(q, k, v, g, beta, segment_ids, *, axis_name: str = "contex
     if Tl % nb:
         raise ValueError(f"zigzag needs an even number of tokens per device; got {Tl} (pad rows to 2 x context)")
     n = jax.lax.axis_size(axis_name)
-    f32, out_dtype = jnp.float32, v.dtype
-    # fp32 in: the kernel computes in fp32 anyway, and P (the read-out of the incoming state) must not be rounded
+    f32, out_dtype = at_least_fp32(q.dtype, k.dtype, v.dtype, g.dtype), v.dtype
+    # fp32 (or float64) in: the kernel computes in it anyway, and P (the read-out of the incoming state) must not
+    # be rounded
     q, k, v = q.astype(f32), k.astype(f32), v.astype(f32)
     v_aug = jnp.concatenate([v, jnp.zeros((B, Tl, H, K), f32)], axis=-1)
     init_aug = jnp.broadcast_to(jnp.concatenate([jnp.zeros((K, V), f32), jnp.eye(K, dtype=f32)], axis=-1),
@@ -92,7 +94,8 @@ def kda_context_shard(q, k, v, g, beta, segment_ids, *, axis_name: str = "contex
                                  _blocks(beta, nb), segment_ids=seg_blocks, initial_state=init_aug,
                                  output_final_state=True, **kernel_kwargs)
     per_block = lambda x: x.reshape(nb, B, *x.shape[1:])
-    # two all-gathers: the fp32 [S0 | M] as the kernel returned it, and each block's first / last segment id
+    # two all-gathers: the fp32 (or float64) [S0 | M] as the kernel returned it, and each block's first / last
+    # segment id
     ends = jnp.stack([seg_blocks[:, 0], jnp.max(seg_blocks, axis=1)], axis=-1)
     state, ends = (_sequence_order(jax.lax.all_gather(per_block(x), axis_name), nb) for x in (final_aug, ends))
     seq = dict(S0=state[..., :V], M=state[..., V:], first=ends[..., 0], last=ends[..., 1])
@@ -122,7 +125,7 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, segment_ids, mesh, axis_name
     # A_log [H] and dt_bias [H*K] (head-major) split with the heads
     specs = (P(*tok, heads, None),) * 4 + (P(*tok, heads), tok, P(batch, heads), {name: P(heads) for name in arrays})
     if initial_state is None:
-        initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+        initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), at_least_fp32(q.dtype, v.dtype))
 
     def body(q, k, v, g, beta, seg, h0, arrays):
         return kda_context_shard(q, k, v, g, beta, seg, axis_name=axis_name, load_balance=load_balance,

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lingpack.kernels.attention.blockwise import F32, Tiling, backward_tiles, finalize, forward_tiles, init_softmax
+from lingpack.kernels.attention.blockwise import Tiling, backward_tiles, finalize, forward_tiles, init_softmax
+from lingpack.precision import at_least_fp32
 
 
 class Ring(NamedTuple):
@@ -51,7 +52,8 @@ def _ring_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, ring: Ring):
         st, c = tiles(st, kv)
         return (st, nxt, count + c), None
 
-    carry = (init_softmax(B, H, Q, v.shape[-1]), (k, v, kv_seg, kv_index), jnp.int32(0))
+    state = init_softmax(B, H, Q, v.shape[-1], at_least_fp32(q.dtype, k.dtype, v.dtype))
+    carry = (state, (k, v, kv_seg, kv_index), jnp.int32(0))
     (st, kv, count), _ = jax.lax.scan(step, carry, None, length=ring.size - 1)
     st, c = tiles(st, kv)                # the last block needs no onward transfer
     o, lse = finalize(st)
@@ -60,7 +62,7 @@ def _ring_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, ring: Ring):
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
 def ring_attention(q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index, kv_index, ring: Ring):
-    """Local shards -> (o [B,H,Q,V] fp32, tiles computed on this device over all R steps)."""
+    """Local shards -> (o [B,H,Q,V] fp32 or wider, tiles computed on this device over all R steps)."""
     o, _, count = _ring_forward(q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index, kv_index, ring)
     return o, count
 
@@ -72,7 +74,7 @@ def _ring_fwd(q, k, v, q_seg, kv_seg, q_index, kv_index, ring):
 
 def _ring_bwd(ring, res, cotangents):
     q, k, v, q_seg, kv_seg, q_index, kv_index, o, lse = res
-    do = cotangents[0].astype(F32)
+    do, wide = cotangents[0].astype(o.dtype), o.dtype   # o's dtype: fp32 (float64 for float64 inputs)
     delta = jnp.sum(do * o, axis=-1)  # D_i = sum_v dO_iv O_iv, the softmax-Jacobian row term
     grads = lambda kv: backward_tiles(q, kv[0], kv[1], do, lse, delta, q_seg, kv[2], q_index, kv[3], ring.tiling)
 
@@ -83,8 +85,8 @@ def _ring_bwd(ring, res, cotangents):
         dkv = _send(ring, (dkv[0] + dk_t, dkv[1] + dv_t))  # fp32 dK/dV ride along with their K/V
         return (dq + dq_t, nxt, dkv), None
 
-    dkv0 = (jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
-    carry = (jnp.zeros(q.shape, F32), (k, v, kv_seg, kv_index), dkv0)
+    dkv0 = (jnp.zeros(k.shape, wide), jnp.zeros(v.shape, wide))
+    carry = (jnp.zeros(q.shape, wide), (k, v, kv_seg, kv_index), dkv0)
     (dq, kv, dkv), _ = jax.lax.scan(step, carry, None, length=ring.size - 1)
     dq_t, dk_t, dv_t = grads(kv)
     dk, dv = _send(ring, (dkv[0] + dk_t, dkv[1] + dv_t))  # the R-th hop brings them home

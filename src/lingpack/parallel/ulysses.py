@@ -32,7 +32,7 @@ def check_heads(heads: int, ulysses: int) -> None:
 
 def ulysses_attention(q_BHTK, k_BHTK, v_BHTV, seg_BT, index_T, *, axis: str, ulysses: int, ring: int,
                       tiling: Tiling):
-    """Local shards -> (o [B, H, T_local, V] fp32, tiles computed on this device)."""
+    """Local shards -> (o [B, H, T_local, V] fp32 or wider, tiles computed on this device)."""
     check_heads(q_BHTK.shape[1], ulysses)
     grp = groups(ulysses, ring)
     to_heads = lambda x: jax.lax.all_to_all(x, axis, 1, 2, tiled=True, axis_index_groups=grp)  # split H, gather T

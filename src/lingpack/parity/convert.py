@@ -174,25 +174,35 @@ def _variable(where):
     return node, index
 
 
+def _as_numpy(x) -> np.ndarray:
+    """An array or torch tensor as numpy fp32, or float64 if it is float64 (bf16 has no numpy twin for torch)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        x = (x.double() if str(x.dtype) == "torch.float64" else x.float()).numpy()
+    x = np.asarray(x)
+    return x.astype(np.float64 if x.dtype == np.float64 else np.float32)
+
+
 def to_hf_state_dict(model: Ling3, mtp: bool = False) -> dict[str, np.ndarray]:
-    """fp32 numpy tensors keyed by transformers' parameter names (MTP layers only with `mtp`, under `mtp.{d}.`)."""
+    """numpy tensors (fp32; float64 for float64 weights) keyed by transformers' parameter names (MTP layers only
+    with `mtp`, under `mtp.{d}.`)."""
     out = {}
     for paths, name, fn in _pairs(model, mtp):
-        arrays = [np.asarray(var[...][index], np.float32) for var, index in map(_variable, paths)]
+        arrays = [_as_numpy(var[...][index]) for var, index in map(_variable, paths)]
         out[name] = np.ascontiguousarray(fn(*arrays))
     return out
 
 
 def load_hf_state_dict(model: Ling3, state_dict) -> None:
-    """Write transformers tensors (torch or numpy) into `model` in place; every expected key must be present."""
-    sd = {k: np.asarray(v.detach().cpu().float().numpy() if hasattr(v, "detach") else v, np.float32)
-          for k, v in state_dict.items()}
+    """Write transformers tensors (torch or numpy; float64 kept) into `model` in place; every expected key must be
+    present."""
+    sd = {k: _as_numpy(v) for k, v in state_dict.items()}
     for paths, name, fn in _pairs(model):
         if name not in sd:
             raise KeyError(f"transformers state dict lacks {name!r}; is it a KimiLinearForCausalLM matching this config?")
         located = [_variable(p) for p in paths]
         shapes = [var[...][index].shape for var, index in located]
-        expected = fn(*[np.zeros(shape, np.float32) for shape in shapes]).shape
+        expected = fn(*[np.zeros(shape, np.float32) for shape in shapes]).shape  # shapes only
         if sd[name].shape != expected:
             raise ValueError(f"{name}: transformers shape {sd[name].shape} != {expected} expected from the lingpack config")
         parts = _split(sd[name], name, shapes)
@@ -233,12 +243,12 @@ def deepseek_v3_config_from_mla(cfg: MLAConfig, emb_dim: int, **extra):
         attention_bias=False, **extra)
 
 
-def deepseek_v3_rope_inv_freq(cfg: MLAConfig) -> np.ndarray:
-    """`inv_freq` [qk_rope_head_dim / 2] for DeepseekV3RotaryEmbedding: lingpack's rotary frequencies
+def deepseek_v3_rope_inv_freq(cfg: MLAConfig, dtype=np.float32) -> np.ndarray:
+    """`inv_freq` [qk_rope_head_dim / 2] (`dtype`) for DeepseekV3RotaryEmbedding: lingpack's rotary frequencies
     theta^(-2i / rotary_dim) for the rotated pairs, then 0 (angle 0: cos 1, sin 0) for the pass-through ones."""
     half_rot, half = cfg.rotary_dim // 2, cfg.qk_rope_head_dim // 2
     freqs = cfg.rope_theta ** (-np.arange(half_rot, dtype=np.float64) * 2.0 / cfg.rotary_dim)
-    return np.concatenate([freqs, np.zeros(half - half_rot)]).astype(np.float32)
+    return np.concatenate([freqs, np.zeros(half - half_rot)]).astype(dtype)
 
 
 def _rope_order(cfg: MLAConfig) -> np.ndarray:
@@ -257,15 +267,15 @@ def _rope_order(cfg: MLAConfig) -> np.ndarray:
 
 
 def mla_to_deepseek_v3(mla, index: tuple = ()) -> dict[str, np.ndarray]:
-    """fp32 numpy state dict of a DeepseekV3Attention (its own parameter names) computing lingpack's `mla`
-    (`index`: the layer's slice of a scanned stack, `Ling3.layer_parts`).
+    """fp32 (float64 for float64 weights) numpy state dict of a DeepseekV3Attention (its own parameter names)
+    computing lingpack's `mla` (`index`: the layer's slice of a scanned stack, `Ling3.layer_parts`).
 
     Linear kernels `[in, out]` become weights `[out, in]`; the rope rows of q (per head) and of the shared
     key are put in DeepSeek-V3's order (`_rope_order`), which permutes q and k alike: scores are unchanged."""
     cfg = mla.cfg
     H, nope, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    value = lambda module: np.asarray(module.kernel[...][index], np.float32)
-    norm = lambda module: np.asarray(module.weight[...][index], np.float32)
+    value = lambda module: _as_numpy(module.kernel[...][index])
+    norm = lambda module: _as_numpy(module.weight[...][index])
     order = _rope_order(cfg)
     q_rows = np.concatenate([h * cfg.qk_head_dim + np.concatenate([np.arange(nope), nope + order]) for h in range(H)])
     kv_a_rows = np.concatenate([np.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + order])

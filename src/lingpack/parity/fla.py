@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 from pathlib import Path
 
 
-def fla_gate_functions() -> dict:
+@functools.lru_cache(maxsize=None)
+def fla_gate_functions(float64: bool = False) -> dict:
     """FLA's torch reference gates `naive_kda_gate`, `naive_kda_lowerbound_gate` (fla/ops/kda/gate.py).
 
     That file imports triton at the top, so only these two functions' source is taken (by `ast`) and run
-    with torch and torch.nn.functional, the only names they use."""
+    with torch and torch.nn.functional, the only names they use. `float64`: their float32 upcasts (`.float()`,
+    the default `output_dtype=torch.float32`) made float64 (`parity/widen.py`)."""
     import torch
     spec = importlib.util.find_spec("fla")
     if spec is None:
@@ -22,6 +25,12 @@ def fla_gate_functions() -> dict:
     functions = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted]
     if {f.name for f in functions} != wanted:
         raise ImportError(f"{path} no longer defines {sorted(wanted)}")
+    module = ast.Module(body=functions, type_ignores=[])
+    if float64:
+        from lingpack.parity.widen import widen_tree
+        module, changes = widen_tree(module)
+        if not changes:
+            raise ImportError(f"{path}: the gates no longer upcast to float32; the float64 reference needs a review")
     namespace = {"torch": torch, "F": torch.nn.functional}
-    exec(compile(ast.Module(body=functions, type_ignores=[]), str(path), "exec"), namespace)
+    exec(compile(module, str(path), "exec"), namespace)
     return {name: namespace[name] for name in wanted}

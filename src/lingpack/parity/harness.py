@@ -28,11 +28,28 @@ import time
 from pathlib import Path
 
 
-def reference_model(model_cfg, jax_model):
+def reference_dtype(rc) -> str:
+    """The reference's dtype: `parity.reference_dtype`, else float64 for a float64 model and float32 otherwise
+    (bf16 compute is compared with the fp32 reference)."""
+    chosen = getattr(rc.parity, "reference_dtype", None)
+    return chosen or ("float64" if rc.model.dtype == "float64" else "float32")
+
+
+def reference_model(model_cfg, jax_model, dtype: str = "float32"):
     """The PyTorch Ling3 (parity/reference_model.py: transformers' KimiLinear, FLA's gate, DeepseekV3Attention,
-    MTP glue; fp32, CPU) holding exactly `jax_model`'s weights."""
+    MTP glue; float32 or float64, CPU) holding exactly `jax_model`'s weights."""
     from lingpack.parity import reference_model as reference_lib
-    return reference_lib.build(model_cfg, jax_model)
+    return reference_lib.build(model_cfg, jax_model, reference_lib.DTYPES[dtype])
+
+
+def dtypes_used(jax_model, hf_model) -> dict:
+    """The dtypes the two sides actually hold their parameters in (read from the arrays, not the config)."""
+    import jax
+    from flax import nnx
+    ours = ",".join(sorted({str(x.dtype) for x in jax.tree.leaves(nnx.state(jax_model, nnx.Param))}))
+    theirs = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in hf_model.parameters()}))
+    return {"parity_lingpack_param_dtypes": ours, "parity_reference_param_dtypes": theirs,
+            "parity_jax_x64": bool(jax.config.jax_enable_x64)}
 
 
 def has_moe(model_cfg) -> bool:
@@ -59,8 +76,19 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
 
     `routing`: lingpack's `{step: trace}` (a RoutingRecorder's `steps`); required by `parity.lock_routing`.
     `final_eval`: lingpack's end-of-run evaluations (`TrainResult.final_eval`); the reference evaluates the same
-    splits after its last step.
+    splits after its last step. The reference runs with `parity.reference_threads` torch threads (restored after).
     """
+    import torch
+    threads, previous = getattr(rc.parity, "reference_threads", None), torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _run_parity(rc, history, metrics_logger, initial_model, routing, final_eval)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_parity(rc, history, metrics_logger, initial_model, routing, final_eval) -> dict:
     import json
 
     import torch
@@ -83,7 +111,7 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
         raise ValueError("parity.lock_routing=true needs lingpack's routing for every step: train with "
                          "loop.train(..., routing_callback=RoutingRecorder(seq_length)) and pass its .steps")
     jax_model = initial_model if initial_model is not None else loop.make_model(rc.model, rc.train.seed)
-    hf_model = reference_model(rc.model, jax_model)
+    hf_model = reference_model(rc.model, jax_model, reference_dtype(rc))
     z_weight, bias_rate = loss_lib.resolve_moe_weights(rc.loss, rc.model.moe)
     num_samples = rc.data.num_samples or steps * rc.data.global_batch_size
     splits = ["valid"] + (["test"] if "test_lm_loss" in final_eval else [])  # test only where lingpack had one
@@ -119,6 +147,7 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
     out = Path(rc.run_dir) / "parity"
     out.mkdir(parents=True, exist_ok=True)
     write_parity_csv(result, out / "parity.csv")
+    terms = _term_parity(history, reference, rc.parity.tolerance, out)
     validation = _validation_parity(history, reference, reference_final, final_eval, rc.parity.tolerance, out)
     trace = None
     if routing is not None and trainer.routers:
@@ -134,19 +163,48 @@ def run_parity(rc, history: list[dict], metrics_logger=None, initial_model=None,
                      out / "loss_curves.png", metric="lm_loss", title="lm loss: lingpack vs reference")
     summary = {"parity_max_rel": result.max_rel, "parity_mean_rel": result.mean_rel,
                "parity_passed": bool(result.passed), "parity_tolerance": rc.parity.tolerance,
-               "parity_steps": steps, "reference_seconds": seconds, "parity_lock_routing": bool(lock)}
+               "parity_steps": steps, "reference_seconds": seconds, "parity_lock_routing": bool(lock),
+               "parity_reference_dtype": reference_dtype(rc), "parity_lingpack_compute_dtype": rc.model.dtype,
+               **dtypes_used(jax_model, hf_model)}
+    summary.update(terms)
     summary.update(validation)
     if trace is not None:
         summary.update(routing_first_flip_step=flip["step"] if flip else None,
                        routing_first_flip_layer=flip["layer"] if flip else None,
                        routing_first_flip_margin=flip["lingpack_margin_max"] if flip else None,
-                       routing_total_flips=trace["total_flips"])
+                       routing_total_flips=trace["total_flips"], expert_bias_parity_max_rel=trace["bias_max_rel_diff"],
+                       expert_bias_parity_passed=trace["bias_max_rel_diff"] <= rc.parity.tolerance)
     if reference_wandb is not None:
         reference_wandb.summary(summary)
         reference_wandb.finish()
     if metrics_logger is not None:
         metrics_logger.summary({k: v for k, v in summary.items() if v is not None})
     print(result.summary())
+    return summary
+
+
+TERMS = ("lm_loss", "mtp_loss", "moe_z_loss")   # the per-step loss terms both sides report (parity/terms.csv)
+
+
+def _term_parity(history: list[dict], reference: list[dict], tolerance: float, out: Path) -> dict:
+    """Per step, each loss term of both sides and its relative difference -> `parity/terms.csv`; summary keys
+    `<term>_parity_max_rel` for the MTP and router z-loss terms (lm_loss is the main comparison's)."""
+    from lingpack.tracking.metrics import write_csv
+    rows, summary = [], {}
+    for h, r in zip(history, reference):
+        row = {"step": r["step"]}
+        for term in TERMS:
+            if term in h and term in r:
+                ours, theirs = float(h[term]), float(r[term])
+                row.update({f"{term}_lingpack": ours, f"{term}_reference": theirs,
+                            f"{term}_rel_diff": abs(ours - theirs) / abs(theirs) if theirs else abs(ours - theirs)})
+        rows.append(row)
+    for term in TERMS[1:]:
+        diffs = [row[f"{term}_rel_diff"] for row in rows if f"{term}_rel_diff" in row]
+        if diffs:
+            summary[f"{term.removesuffix('_loss')}_parity_max_rel"] = max(diffs)
+            summary[f"{term.removesuffix('_loss')}_parity_passed"] = max(diffs) <= tolerance
+    write_csv(rows, out / "terms.csv")
     return summary
 
 

@@ -27,7 +27,9 @@
   Megatron's `max_norm / (norm + 1e-6)`;
 * evaluation: megatron-core's valid / test `GPTDataset` (same builder call, Megatron's split sizes), the
   k-th evaluation on valid batches [k * eval_iters, (k + 1) * eval_iters), forward only, every (loss sum,
-  token count) summed over micro-batches, ranks and batches before dividing, as Megatron's `evaluate`.
+  token count) summed over micro-batches, ranks and batches before dividing, as Megatron's `evaluate`;
+* dtype: the reference network's (`Ling3Reference.dtype`, float32 or float64); every loss term, mask and
+  statistic follows it, and megatron-core's functions (z-loss, bias update, roll) compute in their inputs' dtype.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class MegatronReferenceTrainer:
         `locked_ids` [L, R, T, k] (lingpack's choice for these R rows) replaces the routers' own. `z_weight`
         replaces the router z-loss weight (evaluation reports it unweighted).
         Returns (loss sum, loss count, real tokens, per-router z-loss, per-router loads, routing [L, R, T, .],
-        per MTP depth (masked loss sum, rolled mask count)).
+        per MTP depth (masked loss sum, rolled mask count), per-router unweighted z-loss sum over the real tokens).
         """
         torch = self.torch
         spans = [(r, a, b) for r, s in enumerate(samples)
@@ -147,13 +149,14 @@ class MegatronReferenceTrainer:
         pad = lambda x: torch.nn.functional.pad(x, (0, length - len(x)))
         tokens = torch.stack([pad(samples[r]["tokens"][a:b]) for r, a, b in spans])
         labels = torch.stack([pad(samples[r]["labels"][a:b]) for r, a, b in spans])
-        mask = torch.stack([pad(samples[r]["loss_mask"][a:b].float()) for r, a, b in spans])  # 0 on padding
+        dtype = self.model.dtype
+        mask = torch.stack([pad(samples[r]["loss_mask"][a:b].to(dtype)) for r, a, b in spans])  # 0 on padding
         positions = torch.stack([pad(samples[r]["position_ids"][a:b]) for r, a, b in spans])
         padding = torch.ones(len(spans) * length, dtype=torch.bool)
         padding[index] = False
         rows = lambda flat: torch.zeros(len(spans) * length, dtype=flat.dtype).index_put((index,), flat).reshape(
             len(spans), length)                                          # packed [R*T] -> one document per row
-        mtp = _mtp_rolls(samples, spans, len(self.model.mtp))
+        mtp = _mtp_rolls(samples, spans, len(self.model.mtp), dtype)
         self._captured.clear()
         locked = None if locked_ids is None else [torch.as_tensor(ids).reshape(-1, ids.shape[-1]).long()
                                                   for ids in locked_ids]      # per router [R*T, k]
@@ -167,17 +170,18 @@ class MegatronReferenceTrainer:
         mtp_terms = [(torch.sum(xent(d_logits, rows(d_labels)) * rows(d_mask)), d_mask.sum())
                      for d_logits, (_, d_labels, d_mask, _) in zip(mtp_logits, mtp, strict=True)]
         from megatron.core.transformer.moe.moe_utils import z_loss_func
-        z, loads, routing = [], [], {k: [] for k in ("expert_ids", "router_logits")}
+        z, z_sums, loads, routing = [], [], [], {k: [] for k in ("expert_ids", "router_logits")}
         for n, (router_logits, own_ids) in enumerate(self._captured):
             own = own_ids[index]                                         # [R*T, k] in lingpack's token order
             used = own if locked is None else locked[n]
             weight = self.moe_z_weight if z_weight is None else z_weight
             z.append(z_loss_func(router_logits, weight, padding_mask=padding))  # weight * mean over real tokens
+            z_sums.append(float(z_loss_func(router_logits.detach(), 1.0, padding_mask=padding)) * int((~padding).sum()))
             loads.append(torch.bincount(used.reshape(-1), minlength=self.routers[n].num_experts))
             routing["expert_ids"].append(own.reshape(len(samples), T, -1).numpy())
             routing["router_logits"].append(router_logits[index].detach().reshape(len(samples), T, -1).numpy())
         lm_sum = torch.sum(xent(logits, labels) * mask)
-        return lm_sum, torch.sum(mask), int((~padding).sum()), z, loads, routing, mtp_terms
+        return lm_sum, torch.sum(mask), int((~padding).sum()), z, loads, routing, mtp_terms, z_sums
 
     def step(self, step: int, locked: dict | None = None) -> tuple[dict, dict]:
         """One optimizer step on global batch `step` -> (Megatron's reported metrics, this side's routing or None).
@@ -218,6 +222,10 @@ class MegatronReferenceTrainer:
                        for k in ("expert_ids", "router_logits")}
             routing["expert_bias"] = bias
         record = {"step": step, "lm_loss": lm_loss, "grad_norm": grad_norm, "lr": lr, "loss_tokens": float(lm_total)}
+        if self.routers:  # as lingpack's moe_z_loss: unweighted, token mean over the step, mean over MoE layers
+            real = sum(r[2] for r in results)
+            record["moe_z_loss"] = float(np.mean([sum(r[7][n] for r in results) / max(real, 1)
+                                                  for n in range(len(self.routers))]))
         if self.model.mtp:  # Megatron's MTP tracker: per-(micro-batch, rank) token means, averaged, then over depths
             record["mtp_loss"] = float(np.mean([[float(s.detach()) / max(float(c), 1.0) for s, c in r[6]] for r in results]))
         return record, routing
@@ -248,7 +256,7 @@ class MegatronReferenceTrainer:
         try:
             with torch.no_grad():
                 for start in samples[::per_group]:  # Megatron's order: batch, micro-batch, rank
-                    loss_sum, count, real, z, _, _, mtp_terms = self._group(
+                    loss_sum, count, real, z, _, _, mtp_terms, _ = self._group(
                         [dataset[i] for i in range(start, start + per_group)], z_weight=1.0)
                     totals += [float(loss_sum), float(count), real]
                     mtp += np.array([[float(v), float(c)] for v, c in mtp_terms]).reshape(-1, 2).T
@@ -264,7 +272,7 @@ class MegatronReferenceTrainer:
         torch = self.torch
         from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
         biases = torch.stack([r.e_score_correction_bias for r in self.routers])
-        updated = get_updated_expert_bias(torch.stack(loads).float(), biases, self.bias_rate)
+        updated = get_updated_expert_bias(torch.stack(loads).to(biases.dtype), biases, self.bias_rate)  # counts: exact
         with torch.no_grad():
             for router, bias in zip(self.routers, updated):
                 router.e_score_correction_bias.copy_(bias - bias.mean())
@@ -276,10 +284,10 @@ def eval_sample_range(index: int, eval_batches: int, global_batch_size: int) -> 
     return range(index * eval_batches * global_batch_size, (index + 1) * eval_batches * global_batch_size)
 
 
-def _mtp_rolls(samples: list[dict], spans: list[tuple[int, int, int]], depths: int) -> list[tuple]:
+def _mtp_rolls(samples: list[dict], spans: list[tuple[int, int, int]], depths: int, dtype=None) -> list[tuple]:
     """Per MTP depth (ids, labels, loss mask, keep), each packed [R*T]: megatron-core's `roll_tensor` applied
     once more per depth to the group's THD-flattened samples, one sequence per document (`spans`); `keep`
-    is a rolled vector of ones (0 where the roll left the document)."""
+    is a rolled vector of ones (0 where the roll left the document); mask and keep in `dtype` (fp32 by default)."""
     if not depths:
         return []
     import torch
@@ -289,7 +297,8 @@ def _mtp_rolls(samples: list[dict], spans: list[tuple[int, int, int]], depths: i
     cu = torch.tensor([r * T + a for r, a, _ in spans] + [len(samples) * T], dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     flat = lambda key: torch.cat([s[key] for s in samples])[None]
-    rolled = (flat("tokens"), flat("labels"), flat("loss_mask").float(), torch.ones(1, len(samples) * T))
+    dtype = dtype or torch.float32
+    rolled = (flat("tokens"), flat("labels"), flat("loss_mask").to(dtype), torch.ones(1, len(samples) * T, dtype=dtype))
     out = []
     for _ in range(depths):
         rolled = tuple(roll_tensor(x, shifts=-1, dims=-1, packed_seq_params=params)[0] for x in rolled)
@@ -315,7 +324,7 @@ def megatron_objective(groups: list, loss_cfg, num_groups: int, *, with_z: bool 
     real_total = sum(g[2] for g in groups)
     mtp_totals = [sum(g[4][d][1] for g in groups) for d in range(len(groups[0][4]))] if len(groups[0]) > 4 else []
     per_token = loss_cfg.mode == "per_token" or loss_cfg.calculate_per_token_loss
-    objective = torch.zeros(())
+    objective = torch.zeros((), dtype=groups[0][0].dtype)   # the loss sums' dtype (the reference's)
     for loss_sum, count, real, z, *mtp in groups:
         mtp = mtp[0] if mtp else []
         mtp_weight = loss_cfg.mtp_loss_scale / max(len(mtp), 1)

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lingpack.precision import at_least_fp32
+
 
 def unpack_documents(batch: dict) -> dict:
     """One row per document (segment) of `batch`, left-aligned, the rest padding (segment 0)."""
@@ -39,15 +41,15 @@ def pad_rows(batch: dict, rows: int) -> dict:
 @nnx.jit
 def _masked_xent(model, inputs, segmentation, position, targets, targets_segmentation):
     out = model(inputs, segmentation, position)
-    log_probs = jax.nn.log_softmax(out.logits_BTV.astype(jnp.float32), axis=-1)
+    log_probs = jax.nn.log_softmax(out.logits_BTV.astype(at_least_fp32(out.logits_BTV.dtype)), axis=-1)
     xent = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     mask = targets_segmentation != 0
     return jnp.sum(jnp.where(mask, xent, 0.0)), jnp.sum(mask)
 
 
 def token_weighted_loss(model, batch: dict) -> tuple[float, float]:
-    """(sum of masked token cross-entropies, number of loss tokens) of the main head, in fp32 (one jitted
-    forward per batch shape)."""
+    """(sum of masked token cross-entropies, number of loss tokens) of the main head, in fp32 or the logits'
+    wider dtype (one jitted forward per batch shape)."""
     keys = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation")
     total, count = _masked_xent(model, *(jnp.asarray(batch[k]) for k in keys))
     return float(total), float(count)

@@ -9,7 +9,9 @@ Both sides record every step in the step batch's own layout (numpy):
 lingpack's comes out of the train step itself (`loop.train(routing_callback=...)`, `from_lingpack`), so it
 is exactly the routing the step trained with; the reference records what its own router chose (also when
 `parity.lock_routing` makes it use lingpack's selections instead). `compare` finds the first step and layer
-where the chosen SETS differ and measures how close to a tie each flipped token was (`decision_margin`).
+where the chosen SETS differ and measures how close to a tie each flipped token was (`decision_margin`), and
+follows the expert biases apart: they decide the choices without touching the loss until a choice flips, so a
+bias update that differs is seen here first (`bias_rel_diff_per_step`).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def compare(lingpack: dict, reference: dict, moe_cfg) -> dict:
 
     Returns the first step and MoE layer whose selections differ (None when none ever do), how many
     tokens flipped there, their decision margins on both sides, the largest router-logit difference
-    between the sides on those tokens and over the whole step, and per-step flip counts.
+    between the sides on those tokens and over the whole step, per-step flip counts, and per step the largest
+    expert-bias difference relative to the largest bias (0 while both are all zero), and its maximum.
     """
     steps = sorted(set(lingpack) & set(reference))
     if not steps:
@@ -85,8 +88,17 @@ def compare(lingpack: dict, reference: dict, moe_cfg) -> dict:
             first = _flip_detail(step, layer, ours, theirs, flips_LBT[layer], moe_cfg)
     logit_diff = {s: float(np.max(np.abs(lingpack[s]["router_logits"] - reference[s]["router_logits"])))
                   for s in steps}
+    bias_diff = {s: bias_rel_diff(lingpack[s]["expert_bias"], reference[s]["expert_bias"]) for s in steps}
     return {"steps": len(steps), "first_flip": first, "flips_per_step": per_step,
-            "total_flips": sum(per_step.values()), "max_logit_diff_per_step": logit_diff}
+            "total_flips": sum(per_step.values()), "max_logit_diff_per_step": logit_diff,
+            "bias_rel_diff_per_step": bias_diff, "bias_max_rel_diff": max(bias_diff.values())}
+
+
+def bias_rel_diff(ours: np.ndarray, theirs: np.ndarray) -> float:
+    """max |ours - theirs| / max |theirs| over every layer and expert (0 when both biases are all zero). float64."""
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    diff, scale = float(np.max(np.abs(ours - theirs))), float(np.max(np.abs(theirs)))
+    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))
 
 
 def _flip_detail(step: int, layer: int, ours: dict, theirs: dict, flips_BT: np.ndarray, moe_cfg) -> dict:

@@ -6,7 +6,9 @@ later with `wandb sync <dir>/wandb/offline-run-*`), "online", "disabled" (does n
 wandb). Multirun-safe: every logger owns its run (`reinit="create_new"`) and `finish()` closes it.
 A resumed job continues its W&B run: `persistent_run_id(run_dir)` keeps the id in the run directory and
 `WandbLogger(id=..., resume="allow")` reopens it (offline, each try writes an `offline-run-*` folder with
-that id; `wandb sync` joins them into one run).
+that id; `wandb sync` joins them into one run). `quiet=True` (the default) silences W&B's own console
+banner, history and summary (its `silent` setting; its warnings then go to its debug log); `describe()`
+is the one line to print instead: where the run is and how to upload it.
 
     logger = WandbLogger(project="lingpack", group="ling3_tiny-parity", job_type="train",
                          config=OmegaConf.to_container(cfg, resolve=True), dir=run_dir)
@@ -56,7 +58,8 @@ class WandbLogger:
                  name: str | None = None, tags: Iterable[str] = (), dir: str | Path | None = None,
                  mode: str = "offline", config: Any = None, step_metric: str | None = "tokens",
                  entity: str | None = None, notes: str | None = None, capture_console: bool = False,
-                 main_process: bool | None = None, id: str | None = None, resume: str | None = None):
+                 main_process: bool | None = None, id: str | None = None, resume: str | None = None,
+                 quiet: bool = True):
         if mode not in MODES:
             raise ValueError(f"wandb mode {mode!r}: expected one of {MODES} (offline writes locally, "
                              f"sync later with `wandb sync`).")
@@ -80,7 +83,7 @@ class WandbLogger:
             tags=list(tags) or None, notes=notes, dir=str(dir) if dir is not None else None,
             mode=mode, config=_plain_config(config), id=id, resume=resume,
             reinit="create_new",  # one run per multirun job, never the previous job's run
-            settings=wandb.Settings(console="auto" if capture_console else "off"),
+            settings=wandb.Settings(console="auto" if capture_console else "off", silent=quiet),
         )
         self.local_dir = Path(self.run.dir).parent
         if step_metric:
@@ -89,6 +92,14 @@ class WandbLogger:
     @property
     def active(self) -> bool:
         return self.run is not None
+
+    def describe(self) -> str | None:
+        """One console line: the offline run's folder and its upload command, or the online run's URL."""
+        if self.run is None:
+            return None
+        if self.mode == "offline":
+            return f"W&B offline run: {self.local_dir} (upload: wandb sync {self.local_dir})"
+        return f"W&B run: {self.run.url}"
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Log metrics at `step` (W&B's `_step`); each metric is plotted against `tokens` when logged."""

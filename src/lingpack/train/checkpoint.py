@@ -49,7 +49,10 @@ class Checkpointer:
         self.directory = local_or_url(cfg.directory)  # gs://... for pods without a shared disk
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
                                                enable_async_checkpointing=cfg.async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        # Each item with its handler, so that reading a checkpoint's metadata (latest step, shapes) knows how to
+        # read what it holds: with item names alone Orbax warns that it "could not restore" every item.
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from lingpack.precision import DTYPES
+
 LOSS_MODES = ("megatron", "per_token")
 SCHEDULES = ("cosine", "linear", "constant")
-DTYPES = ("float32", "bfloat16")
 NAN_POLICIES = ("halt", "skip")
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 CONTEXT_STRATEGIES = ("ring", "all_gather", "ulysses", "usp")
@@ -91,6 +92,7 @@ class OptimConfig:
     decay_steps: step at which the decay reaches min_lr (Megatron's lr_decay_iters, warmup included);
         None = the training length. master_dtype: dtype of the stored (master) parameters and optimizer
         moments; the forward casts to the model's own parameter dtypes (bf16 compute with fp32 master).
+        float64 (with model.dtype float64) runs in JAX's x64 mode (lingpack.precision).
     clip_grad_norm: 0 disables clipping.
     """
 
@@ -134,6 +136,8 @@ class ParallelConfig:
     context_ulysses: USP's all-to-all degree U (the ring runs over context / U), 1 otherwise;
     load_balance: zigzag-reorder every batch (device r holds chunks r and 2N-1-r of 2N) so causal
         attention work is even; rows must then divide by 2 x context (by context when off).
+    cpu_devices: fake CPU devices per process (XLA's host device count, set before JAX starts; see
+        lingpack/devices.py); None leaves it to XLA_FLAGS (one CPU device without it). Accelerators ignore it.
     """
 
     data: int = -1
@@ -145,8 +149,11 @@ class ParallelConfig:
     context_strategy: str = "ring"
     context_ulysses: int = 1
     load_balance: bool = True
+    cpu_devices: int | None = None
 
     def __post_init__(self):
+        if self.cpu_devices is not None:
+            _at_least("ParallelConfig", "cpu_devices", self.cpu_devices, 1)
         _choice("ParallelConfig", "context_strategy", self.context_strategy, CONTEXT_STRATEGIES)
         _at_least("ParallelConfig", "context_ulysses", self.context_ulysses, 1)
         if self.context_strategy != "usp" and self.context_ulysses != 1:

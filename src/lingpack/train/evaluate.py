@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lingpack import distributed
 from lingpack.data.config import DataConfig
+from lingpack.errors import ConfigError
 from lingpack.parallel.context import context_parallel
 from lingpack.parallel.layout import Layout, activation_layout
 from lingpack.parallel.reorder import reorder_batch
@@ -120,8 +121,8 @@ class Evaluator:
     def evaluate(self, state, index: int) -> dict:
         first = index * self.eval_batches
         if (index + 1) * self.eval_batches > len(self.dataset):
-            raise RuntimeError(f"evaluation {index} needs {self.split} batches up to {(index + 1) * self.eval_batches}"
-                               f" but the split has {len(self.dataset)}; raise data.eval_num_samples")
+            raise ConfigError(f"evaluation {index} needs {self.split} batches up to {(index + 1) * self.eval_batches}"
+                              f" but the split has {len(self.dataset)}; raise data.eval_num_samples")
         total = None
         for b in range(first, first + self.eval_batches):
             batch = self.dataset[b]
@@ -142,9 +143,9 @@ def eval_dataset(data_cfg: DataConfig, train_cfg: TrainConfig, split: str, rows:
     try:
         return make_dataset(cfg, split=split, rows=rows)
     except ValueError as error:
-        raise ValueError(f"evaluation (train.eval_every={train_cfg.eval_every}) cannot read the {split} split of "
-                         f"data.split={data_cfg.split!r}: {error}. Give the {split} split a non-zero weight in "
-                         "data.split, or set train.eval_every=0") from error
+        raise ConfigError(f"evaluation (train.eval_every={train_cfg.eval_every}) cannot read the {split} split of "
+                          f"data.split={data_cfg.split!r}: {error}. Give the {split} split a non-zero weight in "
+                          "data.split, or set train.eval_every=0") from error
 
 
 def make_evaluators(model_def, data_cfg: DataConfig, loss_cfg: LossConfig, train_cfg: TrainConfig, *,
@@ -170,7 +171,14 @@ def make_evaluators(model_def, data_cfg: DataConfig, loss_cfg: LossConfig, train
     return evaluators
 
 
-def megatron_line(prefix: str, metrics: dict, key: str = "val") -> str:
-    """Megatron's console line, e.g. ` validation loss at iteration 20 | lm loss value: ... | lm loss PPL: ... |`."""
+def megatron_line(prefix: str, metrics: dict, key: str = "val", note: str = "") -> str:
+    """Megatron's console line, e.g. ` validation loss at iteration 20 | lm loss value: ... | lm loss PPL: ... |`,
+    then `note` (what was evaluated: a periodic and an end-of-run evaluation at one iteration read other batches)."""
     return (f" validation loss at {prefix} | lm loss value: {metrics[f'{key}_lm_loss']:.6E} | "
-            f"lm loss PPL: {metrics[f'{key}_ppl']:.6E} | ")
+            f"lm loss PPL: {metrics[f'{key}_ppl']:.6E} | {note}")
+
+
+def batches_note(when: str, split: str, index: int, eval_batches: int) -> str:
+    """`(periodic: valid batches 6-7)`: which batches of the split evaluation `index` read."""
+    first, last = index * eval_batches, (index + 1) * eval_batches - 1
+    return f"({when}: {split} batch{'es' if last > first else ''} {first}{f'-{last}' if last > first else ''})"

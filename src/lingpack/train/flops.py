@@ -10,7 +10,8 @@ Other models: 6 * parameters, or their config's own `flops_per_token(seq_len)` w
 
 Peak: vendor figures for accelerators; on CPU (no vendor figure means anything there) the matmul
 throughput XLA reaches in this process, measured once (`measured_matmul_flops`), so `mfu` on CPU is
-"fraction of the best dense matmul this machine does", not of a datasheet number.
+"fraction of the best dense matmul this machine does", not of a datasheet number, and approximate: on a
+shared machine the ceiling varies ~2x between processes (experiments/cpu_matmul_ceiling/).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 peak per chip (vendor figures); matched by substring of `device.device_kind`, lower-cased.
-PEAK_FLOPS = (
-    ("v6", 918e12), ("v5p", 459e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v4", 275e12), ("v3", 123e12),
-    ("h200", 989e12), ("h100", 989e12), ("a100", 312e12), ("b200", 2250e12),
-)
+from lingpack import chips
+
+# Dense bf16 peak per chip of accelerators outside the planner's table (`lingpack.chips`, which has the sources and
+# is read first); matched by substring of `device.device_kind`, lower-cased.
+PEAK_FLOPS = (("v4", 275e12), ("v3", 123e12), ("a100", 312e12), ("b200", 2250e12))
 
 
 def peak_flops_per_device(device=None) -> float | None:
@@ -33,6 +34,9 @@ def peak_flops_per_device(device=None) -> float | None:
     device = device or jax.devices()[0]
     if device.platform == "cpu":
         return measured_matmul_flops() / len(jax.local_devices(backend="cpu"))  # fake devices share the cores
+    known = chips.from_device_kind(device.device_kind)
+    if known is not None:
+        return known.peak_flops
     kind = device.device_kind.lower()
     for key, value in PEAK_FLOPS:
         if key in kind:
@@ -71,6 +75,10 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     n_kda = kinds.count("kda")
     mla = cfg.mla
     attention = n_mla * 3 * 2 * 2 * mla.num_heads * (mla.qk_head_dim + mla.v_head_dim) / 2 * seq_len / 2
-    K = cfg.kda.head_dim
-    kda = n_kda * 3 * 2 * cfg.kda.num_heads * (2 * K * K + cfg.kda_chunk_size * 2 * K)
+    kda = n_kda * kda_flops_per_token(cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda_chunk_size)
     return matmul + attention + kda
+
+
+def kda_flops_per_token(heads: int, head_dim: int, chunk_size: int) -> float:
+    """Training FLOPs per token of one KDA kernel call (the module docstring's KDA term)."""
+    return 3 * 2 * heads * (2 * head_dim * head_dim + chunk_size * 2 * head_dim)

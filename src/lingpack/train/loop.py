@@ -23,8 +23,10 @@ returns a `Ling3Output` (tests use a small stand-in that way).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import sys
 import time
 import zlib
 
@@ -34,6 +36,7 @@ from flax import nnx
 
 from lingpack import distributed
 from lingpack.data.pipeline import make_iterator
+from lingpack.errors import ConfigError
 from lingpack.parallel.context import ContextParallel
 from lingpack.parallel.reorder import check_length, reorder_batch
 from lingpack.train import flops as flops_lib
@@ -41,7 +44,7 @@ from lingpack.train import optim as optim_lib
 from lingpack.train import sharding as shard_lib
 from lingpack.train.checkpoint import Checkpointer, PreemptionGuard
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
-from lingpack.train.evaluate import make_evaluators, megatron_line
+from lingpack.train.evaluate import batches_note, make_evaluators, megatron_line
 from lingpack.train.program import TrainProgram, make_model  # noqa: F401  (make_model: re-exported)
 
 log = logging.getLogger("lingpack.train")
@@ -89,14 +92,15 @@ class TrainResult:
 def _check_batch(data_cfg, train_cfg: TrainConfig, loss_cfg: LossConfig, mesh, rules) -> None:
     B, M = data_cfg.global_batch_size, train_cfg.micro_batches
     if B % M:
-        raise ValueError(f"data.global_batch_size={B} is not divisible by train.micro_batches={M}")
+        raise ConfigError(f"data.global_batch_size={B} is not divisible by train.micro_batches={M}")
     rows, shards = B // M, shard_lib.batch_divisor(mesh, rules)
     if rows % shards:
-        raise ValueError(f"a micro-batch of {rows} rows (global_batch_size {B} / micro_batches {M}) does not split "
-                         f"over the {shards} batch shards of the mesh {dict(mesh.shape)}; make it a multiple of {shards}")
+        raise ConfigError(f"a micro-batch of {rows} rows (data.global_batch_size {B} / train.micro_batches {M}) does "
+                          f"not split over the {shards} batch shards of the mesh {dict(mesh.shape)}; make it a "
+                          f"multiple of {shards}")
     if rows % loss_cfg.megatron_dp_size:
-        raise ValueError(f"a micro-batch of {rows} rows does not split into loss.megatron_dp_size="
-                         f"{loss_cfg.megatron_dp_size} groups")
+        raise ConfigError(f"a micro-batch of {rows} rows does not split into loss.megatron_dp_size="
+                          f"{loss_cfg.megatron_dp_size} groups")
 
 
 def _fingerprint(batch: dict) -> int:
@@ -109,8 +113,8 @@ def _scalar(x):
     return int(x) if np.issubdtype(x.dtype, np.integer) else float(x)
 
 
-_OVERFLOW_FIX = ("Raise kernel.max_segs (`python -m lingpack.data.stats` recommends one) or use a kernel without "
-                 "max_segs (kernel=chunked)")
+_OVERFLOW_FIX = ("Raise kernel.max_segs (`python -m lingpack.data.stats` with this run's overrides recommends one) "
+                 "or use a kernel without max_segs (kernel=chunked)")
 
 
 def _log_line(metrics: dict) -> str:
@@ -132,6 +136,16 @@ def _progress(train_cfg: TrainConfig, start: int):
     except ImportError:  # tqdm is optional: plain log lines then
         return None
     return tqdm(total=train_cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _log_above(bar):
+    """While the bar shows, console log lines print above it (tqdm.write) instead of into its line."""
+    console = [h for h in logging.root.handlers if isinstance(h, logging.StreamHandler)
+               and getattr(h, "stream", None) in (sys.stdout, sys.stderr)]
+    if bar is None or not console:  # nobody prints log lines to the terminal (a library caller, tests)
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+    return logging_redirect_tqdm()
 
 
 def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
@@ -172,7 +186,9 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     log.info("mesh %s over %d %s device(s)%s", dict(mesh.shape), jax.device_count(), jax.devices()[0].device_kind,
              "" if peak else "; peak FLOP/s unknown, no mfu (set train.peak_flops_per_device)")
     if peak and not train_cfg.peak_flops_per_device and jax.devices()[0].platform == "cpu":
-        log.info("mfu on CPU is against the measured matmul ceiling: %.1f GFLOP/s per device", peak / 1e9)
+        log.info("mfu on CPU is approximate: against a matmul ceiling measured at start, %.1f GFLOP/s per device (it "
+                 "varies up to ~2x between processes on a shared machine; train.peak_flops_per_device sets a fixed "
+                 "one)", peak / 1e9)
 
     history, saved, skipped, preempted, final_eval, warned_overflow = [], [], 0, False, {}, False
     bar = _progress(train_cfg, start)
@@ -194,14 +210,15 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                         f"{fix}", history, step if ckpt else None)
 
     try:
-        with PreemptionGuard(train_cfg.handle_signals) as guard:
+        with PreemptionGuard(train_cfg.handle_signals) as guard, _log_above(bar):
             for step in range(start, train_cfg.steps):
                 data_state = iterator.get_state()
                 try:
                     local = next(iterator)
                 except StopIteration:
-                    raise RuntimeError(f"the data ran out after {step} batches (steps={train_cfg.steps}); raise "
-                                       "data.num_samples / num_epochs or lower train.steps") from None
+                    raise ConfigError(f"the data ran out after {step} batches (train.steps={train_cfg.steps}); raise "
+                                      "data.num_samples or data.num_epochs (or set both to null: as many epochs as "
+                                      "the run needs), or lower train.steps") from None
                 fingerprint = _fingerprint(local)
                 if context is not None and context.load_balance:  # once per batch, every array (parallel/)
                     local = reorder_batch(local, context.size)
@@ -221,16 +238,18 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                     metrics["mfu"] = step_flops / dt / (peak * jax.device_count())
                 evaluated = {}
                 if evaluators and (step + 1) % train_cfg.eval_every == 0:  # Megatron's eval_interval
-                    evaluated = evaluators["valid"].evaluate(state, (step + 1) // train_cfg.eval_every - 1)
-                    log.info(megatron_line(f"iteration {step + 1}", evaluated))
+                    index = (step + 1) // train_cfg.eval_every - 1
+                    evaluated = evaluators["valid"].evaluate(state, index)
+                    log.info(megatron_line(f"iteration {step + 1}", evaluated,
+                                           note=batches_note("periodic", "valid", index, train_cfg.eval_batches)))
                     metrics.update(evaluated)
                 history.append(metrics)
                 if metrics_callback is not None:
                     metrics_callback(step + 1, {**{k: metrics[k] for k in METRIC_NAMES if k in metrics}, **evaluated})
-                if bar is not None:
-                    bar.update(1)
+                if bar is not None:  # the postfix first: update(1) draws the bar with this step's figures
                     bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                                     tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
+                    bar.update(1)
                 if (step + 1) % train_cfg.log_every == 0:
                     log.info(_log_line(metrics))
 
@@ -284,11 +303,15 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
 
 def _final_evaluation(evaluators: dict, state, train_cfg: TrainConfig) -> dict:
     """Megatron's end-of-training evaluations: the next valid batches, then the test split's first."""
-    out, steps = {}, int(jax.device_get(state.step))
+    out, steps, batches = {}, int(jax.device_get(state.step)), train_cfg.eval_batches
     if "valid" in evaluators:
-        out.update(evaluators["valid"].evaluate(state, train_cfg.steps // train_cfg.eval_every))
-        log.info(megatron_line(f"iteration {steps} on validation set", out))
+        index = train_cfg.steps // train_cfg.eval_every  # the valid batches after the last periodic evaluation's
+        out.update(evaluators["valid"].evaluate(state, index))
+        log.info(megatron_line(f"iteration {steps} on validation set", out,
+                               note=batches_note("end of training, after the periodic ones", "valid", index,
+                                                  batches)))
     if "test" in evaluators:
         out.update(evaluators["test"].evaluate(state, 0))
-        log.info(megatron_line(f"iteration {steps} on test set", out, key="test"))
+        log.info(megatron_line(f"iteration {steps} on test set", out, key="test",
+                               note=batches_note("end of training", "test", 0, batches)))
     return out

@@ -22,7 +22,7 @@ Extra terms:
     micro-batches (its AutoScaler scale 1/M); calculate_per_token_loss / per_token use the global token
     mean. The model sums it over a micro-batch, so with G > 1 the per-rank means are taken over the
     whole micro-batch (the lm and MTP terms stay exact; this term, weighted ~3e-6, is approximate).
-All sums and logits are fp32.
+All sums and logits are fp32 (float64 with float64 logits); masks are 0/1 fp32 and counts fp32, exact below 2^24.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from lingpack.models.head import token_xent, xent  # noqa: F401  (token_xent re-exported)
 from lingpack.models.mtp import mtp_targets
+from lingpack.precision import at_least_fp32
 from lingpack.train.configs import LossConfig
 
 
@@ -45,7 +46,8 @@ class Totals(typing.NamedTuple):
 
 
 def loss_mask(batch: dict) -> jax.Array:
-    """fp32 [B, T]: 1 where the target is trained (`targets_segmentation` is the mask written as ids)."""
+    """fp32 [B, T]: 1 where the target is trained (`targets_segmentation` is the mask written as ids). A format:
+    0/1 is exact in fp32 and promotes to the cross-entropy's dtype."""
     return (batch["targets_segmentation"] != 0).astype(jnp.float32)
 
 
@@ -106,7 +108,8 @@ def micro_batch_loss(logits_BTV: jax.Array, mtp_logits: list, moe_aux: dict | No
     mtp_weight = cfg.mtp_loss_scale / max(D, 1)  # Megatron: mtp_loss_scaling_factor / mtp_num_layers per depth
 
     if moe_aux is not None and moe_aux["router_z_loss"].size:
-        moe_z_L, moe_n_L = moe_aux["router_z_loss"].astype(jnp.float32), moe_aux["num_tokens"].astype(jnp.float32)
+        z_dtype = at_least_fp32(moe_aux["router_z_loss"].dtype)   # the router's dtype: fp32, or float64
+        moe_z_L, moe_n_L = moe_aux["router_z_loss"].astype(z_dtype), moe_aux["num_tokens"].astype(z_dtype)
     else:
         moe_z_L = moe_n_L = jnp.zeros((0,), jnp.float32)
 

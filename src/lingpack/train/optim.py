@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lingpack.precision import at_least_fp32
 from lingpack.train.configs import OptimConfig
 
 NO_DECAY_NAMES = ("bias", "A_log", "dt_bias")
@@ -33,16 +34,20 @@ def resolve(cfg: OptimConfig, total_steps: int) -> OptimConfig:
 
 
 def learning_rate(cfg: OptimConfig) -> typing.Callable[[jax.Array], jax.Array]:
-    """Megatron's schedule as a function of the number of updates already applied (0 for the first)."""
+    """Megatron's schedule as a function of the number of updates already applied (0 for the first).
+
+    Computed in fp32, or in the master dtype when wider: Megatron's scheduler computes in Python floats, and an
+    fp32 learning rate would round every float64 update by ~3e-8 of itself."""
     if cfg.decay_steps is None and cfg.schedule != "constant":
         raise ValueError(f"OptimConfig.decay_steps is None for schedule={cfg.schedule!r}; call optim.resolve(cfg, steps)")
     warmup, decay = cfg.warmup_steps, cfg.decay_steps
+    dtype = at_least_fp32(cfg.master_dtype)
 
     def schedule(count):
-        n = jnp.asarray(count, jnp.float32)
+        n = jnp.asarray(count, dtype)
         warm = cfg.lr * n / max(warmup, 1)
         if cfg.schedule == "constant":
-            after = jnp.float32(cfg.lr)
+            after = jnp.asarray(cfg.lr, dtype)
         else:
             ratio = jnp.clip((n - warmup) / (decay - warmup), 0.0, 1.0)
             coeff = 0.5 * (jnp.cos(math.pi * ratio) + 1.0) if cfg.schedule == "cosine" else 1.0 - ratio
@@ -73,8 +78,10 @@ def decay_mask(params):
 
 
 def global_norm(tree) -> jax.Array:
-    """L2 norm over all leaves, accumulated in fp32 (bf16 squares would lose the small gradients)."""
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+    """L2 norm over all leaves, accumulated in fp32 or wider (bf16 squares would lose the small gradients)."""
+    leaves = jax.tree.leaves(tree)
+    wide = at_least_fp32(*(x.dtype for x in leaves))
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(wide))) for x in leaves))
 
 
 def clip_by_global_norm_megatron(max_norm: float) -> optax.GradientTransformation:

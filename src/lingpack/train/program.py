@@ -7,6 +7,7 @@ abstractly (nothing allocated), so what they measure is exactly what a run execu
                                  rows=64, seq_length=8192, devices=jax.devices()[:64])
     compiled = program.lower().compile()              # memory_analysis(), as_text() for lingpack.hlo
     exported = program.export("tpu")                   # traced under lingpack.backend.target("tpu")
+    exported, kernels = program.export("tpu", with_kernels=True)   # + its Pallas kernels, Mosaic vs interpret
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from lingpack import backend
+from lingpack import backend, hlo
 from lingpack.parallel.context import ContextParallel
 from lingpack.train import sharding as shard_lib
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -87,8 +88,19 @@ class TrainProgram:
     def lower(self):
         return self.step.lower(self.state_specs(), self.batch_specs())
 
-    def export(self, platform: str):
-        """`jax.export` of the step traced as `platform` runs it ("tpu", "gpu"/"cuda", "cpu")."""
+    def export(self, platform: str, *, with_kernels: bool = False):
+        """`jax.export` of the step traced as `platform` runs it ("tpu", "gpu"/"cuda", "cpu").
+
+        with_kernels: return (exported, the traced step's Pallas kernels by mode, `lingpack.hlo.pallas_kernels`);
+        the second trace is the export's own, from JAX's trace cache. Triton custom calls (the GPU attention
+        kernel) carry Triton IR that jax.export does not promise to load into another jaxlib, so that check is
+        waived: the export proves lowering, and it runs under the jaxlib that made it.
+        """
         platforms = {"gpu": "cuda"}.get(platform, platform)
+        waived = [jax.export.DisabledSafetyCheck.custom_call(hlo.TRITON_CALL)] if platforms in ("cuda", "rocm") else []
         with backend.target(platform):
-            return jax.export.export(self.step, platforms=[platforms])(self.state_specs(), self.batch_specs())
+            exported = jax.export.export(self.step, platforms=[platforms], disabled_checks=waived)(
+                self.state_specs(), self.batch_specs())
+            if not with_kernels:
+                return exported
+            return exported, hlo.pallas_kernels(self.step.trace(self.state_specs(), self.batch_specs()).jaxpr)

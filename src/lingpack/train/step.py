@@ -3,13 +3,14 @@
 The state is a pytree of plain dicts (what Orbax saves): master parameters (`OptimConfig.master_dtype`),
 the model's non-trainable variables (MoE expert biases), optax state, the step count and an RNG key.
 The model is rebuilt inside the step from a static `nnx.GraphDef`; each parameter is cast from its master
-dtype to the dtype the model created it in (bf16 compute with fp32 master; fp32 ones like the router stay).
+dtype to the dtype the model created it in (bf16 compute with fp32 master; fp32 ones like the router stay;
+float64 throughout with float64 master and model dtypes, in JAX's x64 mode: `lingpack.precision`).
 
-One step: the global batch [B, T] -> [M, B/M, T] micro-batches; `lax.scan` sums each micro-batch's share of
-the objective and its gradient (fp32), then clip + AdamW, then the MoE expert-bias update from the summed
-load counts (outside the gradient). A non-finite loss or gradient norm leaves the state unchanged except
-`step` (`metrics['finite'] == 0`), so `step - 1` is exactly the state before the bad batch; the loop halts
-or skips on it.
+One step: the global batch [B, T] -> [M, B/M, T] micro-batches; `lax.scan` sums each micro-batch's share of the
+objective and its gradient (fp32, or the master dtype when wider), then clip + AdamW, then the MoE expert-bias
+update from the summed load counts (outside the gradient). A non-finite loss or gradient norm leaves the state
+unchanged except `step` (`metrics['finite'] == 0`), so `step - 1` is exactly the state before the bad batch; the
+loop halts or skips on it.
 
 Kernels with `max_segs` cu_seqlens slots (`kernels.kda.api.needs_max_segs`) cannot hold more documents
 than that per micro-batch: `drop_overflow` turns the documents that do not fit into padding before the
@@ -34,6 +35,7 @@ from lingpack.kernels.kda.segments import fits_max_segs, packing_stats, segment_
 from lingpack.parallel.context import ContextParallel, context_parallel
 from lingpack.parallel.layout import Layout, activation_layout
 from lingpack.parallel.reorder import restore_order, zigzag_permutation
+from lingpack.precision import as_dtype, at_least_fp32
 from lingpack.train import loss as loss_lib
 from lingpack.train import sharding as shard_lib
 from lingpack.train.configs import LossConfig, OptimConfig
@@ -82,7 +84,7 @@ def split_model(model: nnx.Module) -> tuple[dict, dict]:
 
 
 def _master(params: dict, optim_cfg: OptimConfig) -> dict:
-    dtype = jnp.dtype(optim_cfg.master_dtype)
+    dtype = as_dtype(optim_cfg.master_dtype)
     return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
 
 
@@ -183,7 +185,8 @@ ROUTING_KEYS = ("expert_ids", "router_logits", "expert_bias")  # the MoE aux ent
 def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict, rest: dict, batch: dict, *,
                          micro_batches: int, mesh: Mesh | None = None, rules=None, params_shardings=None,
                          context: ContextParallel | None = None, trace_routing: bool = False):
-    """(gradient of the step objective w.r.t. params in fp32, statistics summed over micro-batches, micro-batches).
+    """(gradient of the step objective w.r.t. params in fp32 or wider, statistics summed over micro-batches,
+    micro-batches).
 
     The [B, T] batch becomes [M, B/M, T] (documents beyond the kernel's max_segs dropped per micro-batch,
     see `drop_overflow`; the returned micro-batches are the originals); `lax.scan` runs forward + backward
@@ -220,7 +223,7 @@ def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, r
             out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
             obj, stats = loss_lib.micro_batch_loss(out.head, list(out.mtp_heads), out.moe_aux, mb, loss_cfg,
                                                    totals, num_micro_batches=M, moe_z_loss_weight=moe_z_weight)
-            stats["load_counts"] = out.moe_aux["load_counts"].astype(jnp.float32)
+            stats["load_counts"] = out.moe_aux["load_counts"].astype(jnp.float32)  # counts: a format, exact in fp32
             if trace_routing and not set(ROUTING_KEYS) <= set(out.moe_aux):
                 raise ValueError(f"trace_routing needs the model's moe_aux to hold {ROUTING_KEYS}; it has "
                                  f"{sorted(out.moe_aux)} (lingpack.models.moe.MoE returns them)")
@@ -231,11 +234,11 @@ def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, r
     def body(carry, mb):
         grads_acc, stats_acc = carry
         (_, (stats, routing)), grads = micro_step(mb)
-        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)  # fp32 accumulation
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)  # fp32 (or wider) accumulation
         return (grads_acc, jax.tree.map(jnp.add, stats_acc, stats)), routing
 
     stats_shape = jax.eval_shape(lambda: micro_step(jax.tree.map(lambda v: v[0], micro))[0][1][0])
-    grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, at_least_fp32(p.dtype)), params)
     if params_shardings is not None:
         grads0 = jax.lax.with_sharding_constraint(grads0, params_shardings)
     stats0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)

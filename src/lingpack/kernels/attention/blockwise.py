@@ -5,7 +5,8 @@ token index `[n]`: the token's place in the ORIGINAL row order (not its place in
 the mask `allowed(...)` stays right when the row is zigzag-reordered or a key block arrived from
 another device. Query i may attend key j iff seg_i == seg_j != 0 and (not causal or index_j <= index_i).
 
-Numerics (REFERENCE.md §6): m, l, the output accumulator, lse and every gradient accumulator are fp32;
+Numerics (REFERENCE.md §6): m, l, the output accumulator, lse and every gradient accumulator are fp32 (float64
+for float64 inputs: `precision.at_least_fp32`);
 masked logits are the finite MASK_VALUE and masked probabilities are exactly 0, so a query with no
 visible key (padding, or a document whose keys live elsewhere) keeps l = 0, outputs 0 through a
 guarded 1/l and gets lse = 0 (unused: all its probabilities are masked). No `-inf - -inf` anywhere.
@@ -24,8 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from lingpack.kernels.attention.masks import MASK_VALUE, allowed
-
-F32 = jnp.float32
+from lingpack.precision import at_least_fp32
 
 
 class Tiling(NamedTuple):
@@ -37,19 +37,22 @@ class Tiling(NamedTuple):
 
 
 class Softmax(NamedTuple):
-    """Running online-softmax state of a query range: fp32 max m [B,H,Q], normaliser l [B,H,Q], acc [B,H,Q,V]."""
+    """Running online-softmax state of a query range: fp32 (or float64) max m [B,H,Q], normaliser l [B,H,Q],
+    acc [B,H,Q,V]."""
     m: jax.Array
     l: jax.Array
     acc: jax.Array
 
 
-def init_softmax(B: int, H: int, Q: int, V: int) -> Softmax:
+def init_softmax(B: int, H: int, Q: int, V: int, dtype=jnp.float32) -> Softmax:
+    """`dtype`: the accumulation dtype, `at_least_fp32` of the inputs'."""
     # m starts at the finite MASK_VALUE (not -inf): exp(m_old - m_new) is then always finite.
-    return Softmax(jnp.full((B, H, Q), MASK_VALUE, F32), jnp.zeros((B, H, Q), F32), jnp.zeros((B, H, Q, V), F32))
+    return Softmax(jnp.full((B, H, Q), MASK_VALUE, dtype), jnp.zeros((B, H, Q), dtype),
+                   jnp.zeros((B, H, Q, V), dtype))
 
 
 def finalize(state: Softmax) -> tuple[jax.Array, jax.Array]:
-    """(o [B,H,Q,V] fp32, lse [B,H,Q] fp32); empty rows (l == 0) give o = 0 and lse = 0."""
+    """(o [B,H,Q,V], lse [B,H,Q]) in the state's dtype; empty rows (l == 0) give o = 0 and lse = 0."""
     nonempty = state.l > 0
     safe_l = jnp.where(nonempty, state.l, 1.0)  # guarded 1/l
     return state.acc / safe_l[..., None], jnp.where(nonempty, state.m + jnp.log(safe_l), 0.0)
@@ -72,7 +75,8 @@ def tile_visible(q_seg_BQ, kv_seg_BS, q_index_Q, kv_index_S, causal: bool) -> ja
 
 
 def _logits(q_BHQK, k_BHSK, q_seg, kv_seg, q_index, kv_index, tiling: Tiling):
-    s = jnp.einsum("bhqk,bhsk->bhqs", q_BHQK.astype(F32), k_BHSK.astype(F32)) * tiling.scale
+    wide = at_least_fp32(q_BHQK.dtype, k_BHSK.dtype)  # logits in fp32 (or wider): see dot_product.py
+    s = jnp.einsum("bhqk,bhsk->bhqs", q_BHQK.astype(wide), k_BHSK.astype(wide)) * tiling.scale
     mask = allowed(q_seg, kv_seg, q_index, kv_index, tiling.causal)
     return jnp.where(mask, s, MASK_VALUE), mask
 
@@ -83,16 +87,16 @@ def step_forward(state: Softmax, q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index,
     m_new = jnp.maximum(state.m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # masked probabilities are exactly 0
     alpha = jnp.exp(state.m - m_new)                          # <= 1 and finite: both maxima are finite
-    acc = alpha[..., None] * state.acc + jnp.einsum("bhqs,bhsv->bhqv", p, v_BHSV.astype(F32))
+    acc = alpha[..., None] * state.acc + jnp.einsum("bhqs,bhsv->bhqv", p, v_BHSV.astype(state.acc.dtype))
     return Softmax(m_new, alpha * state.l + p.sum(-1), acc)
 
 
 def step_backward(q_BHQK, k_BHSK, v_BHSV, do_BHQV, lse_BHQ, delta_BHQ, q_seg, kv_seg, q_index, kv_index,
                   tiling: Tiling):
-    """(dq, dk, dv) fp32 of one tile, probabilities recomputed from the saved lse."""
+    """(dq, dk, dv) of one tile in the logits' dtype (fp32 or wider), probabilities recomputed from the saved lse."""
     s, mask = _logits(q_BHQK, k_BHSK, q_seg, kv_seg, q_index, kv_index, tiling)
     p = jnp.where(mask, jnp.exp(s - lse_BHQ[..., None]), 0.0)
-    q, k, v = q_BHQK.astype(F32), k_BHSK.astype(F32), v_BHSV.astype(F32)
+    q, k, v = q_BHQK.astype(s.dtype), k_BHSK.astype(s.dtype), v_BHSV.astype(s.dtype)
     dv = jnp.einsum("bhqs,bhqv->bhsv", p, do_BHQV)
     ds = p * (jnp.einsum("bhqv,bhsv->bhqs", do_BHQV, v) - delta_BHQ[..., None])  # softmax Jacobian
     dq = jnp.einsum("bhqs,bhsk->bhqk", ds, k) * tiling.scale
@@ -147,8 +151,9 @@ def forward_tiles(state: Softmax, q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index
 
 def backward_tiles(q_BHQK, k_BHSK, v_BHSV, do_BHQV, lse_BHQ, delta_BHQ, q_seg, kv_seg, q_index, kv_index,
                    tiling: Tiling):
-    """(dq [B,H,Q,K], dk [B,H,S,K], dv [B,H,S,V]) fp32 summed over every visible tile."""
+    """(dq [B,H,Q,K], dk [B,H,S,K], dv [B,H,S,V]) fp32 (or wider) summed over every visible tile."""
     check_tiling(q_BHQK.shape[2], k_BHSK.shape[2], tiling)
+    wide = at_least_fp32(q_BHQK.dtype, k_BHSK.dtype)  # gradient accumulators: the logits' dtype
     bq, bk = tiling.block_q, tiling.block_kv
     kv_blocks = (_split(k_BHSK, bk, 2), _split(v_BHSV, bk, 2), _split(kv_seg, bk, 1), _split(kv_index, bk, 0))
     q_blocks = tuple(_split(x, bq, a) for x, a in ((q_BHQK, 2), (do_BHQV, 2), (lse_BHQ, 2), (delta_BHQ, 2),
@@ -159,28 +164,29 @@ def backward_tiles(q_BHQK, k_BHSK, v_BHSV, do_BHQV, lse_BHQ, delta_BHQ, q_seg, k
 
         def one_kv_block(dq, ys):
             k, v, ks, ki = ys
-            zeros = lambda: (jnp.zeros_like(dq), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
+            zeros = lambda: (jnp.zeros_like(dq), jnp.zeros(k.shape, wide), jnp.zeros(v.shape, wide))
             grads = lambda: step_backward(q, k, v, do, lse, delta, qs, ks, qi, ki, tiling)
             dq_t, dk_t, dv_t = jax.lax.cond(tile_visible(qs, ks, qi, ki, tiling.causal), grads, zeros)
             return dq + dq_t, (dk_t, dv_t)
 
-        dq, (dk_b, dv_b) = jax.lax.scan(one_kv_block, jnp.zeros(q.shape, F32), kv_blocks)
+        dq, (dk_b, dv_b) = jax.lax.scan(one_kv_block, jnp.zeros(q.shape, wide), kv_blocks)
         return (dkv[0] + _merge(dk_b, 2), dkv[1] + _merge(dv_b, 2)), dq
 
-    dkv0 = (jnp.zeros(k_BHSK.shape, F32), jnp.zeros(v_BHSV.shape, F32))
+    dkv0 = (jnp.zeros(k_BHSK.shape, wide), jnp.zeros(v_BHSV.shape, wide))
     (dk, dv), dq_b = jax.lax.scan(one_q_block, dkv0, q_blocks)
     return _merge(dq_b, 2), dk, dv
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
 def blockwise_attention(q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index, kv_index, tiling: Tiling):
-    """o [B,H,Q,V] fp32 of q attending k/v under the shared mask (see the module docstring)."""
+    """o [B,H,Q,V] (fp32 or wider) of q attending k/v under the shared mask (see the module docstring)."""
     return _blockwise_forward(q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index, kv_index, tiling)[0]
 
 
 def _blockwise_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, tiling):
     B, H, Q, _ = q.shape
-    state, _ = forward_tiles(init_softmax(B, H, Q, v.shape[-1]), q, k, v, q_seg, kv_seg, q_index, kv_index, tiling)
+    state = init_softmax(B, H, Q, v.shape[-1], at_least_fp32(q.dtype, k.dtype, v.dtype))
+    state, _ = forward_tiles(state, q, k, v, q_seg, kv_seg, q_index, kv_index, tiling)
     return finalize(state)
 
 
@@ -191,7 +197,7 @@ def _blockwise_fwd(q, k, v, q_seg, kv_seg, q_index, kv_index, tiling):
 
 def _blockwise_bwd(tiling, res, do):
     q, k, v, q_seg, kv_seg, q_index, kv_index, o, lse = res
-    do = do.astype(F32)
+    do = do.astype(o.dtype)
     delta = jnp.sum(do * o, axis=-1)  # D_i = sum_v dO_iv O_iv, the softmax-Jacobian row term
     dq, dk, dv = backward_tiles(q, k, v, do, lse, delta, q_seg, kv_seg, q_index, kv_index, tiling)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None

@@ -1,4 +1,4 @@
-"""Masked reference attention: materialises the [T, T] logits; fp32 softmax; the oracle for the others."""
+"""Masked reference attention: materialises the [T, T] logits; fp32 (or float64) softmax; the oracle for the others."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import jax
 import jax.numpy as jnp
 
 from lingpack.kernels.attention.masks import MASK_VALUE, allowed
+from lingpack.precision import at_least_fp32
 
 
 def dot_product_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True):
     B, T, H, K = q_BTHK.shape
-    f32 = jnp.float32  # logits and softmax in fp32: bf16 logits lose the max-subtraction's precision
+    # logits and softmax in fp32 (float64 for float64 inputs): bf16 logits lose the max-subtraction's precision
+    f32 = at_least_fp32(q_BTHK.dtype, k_BTHK.dtype, v_BTHV.dtype)
     logits = jnp.einsum("bqhk,bshk->bhqs", q_BTHK.astype(f32), k_BTHK.astype(f32)) * scale
     index = jnp.arange(T)
     mask = allowed(segment_ids_BT, segment_ids_BT, index, index, causal)

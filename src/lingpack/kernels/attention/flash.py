@@ -6,8 +6,8 @@ a tile is computed only if some row has a document on both sides of it and, caus
 every query (`blockwise.tile_visible`); a skipped tile contributes exact zeros, so skipping changes no
 number. Memory is O(T) for fixed blocks (the largest live tensor is one [B, H, block, block] tile).
 
-Numerics (REFERENCE.md §6): fp32 running max, normaliser, accumulators and gradients; masked logits are
-the finite MASK_VALUE and masked probabilities exactly 0; padding queries output 0.
+Numerics (REFERENCE.md §6): fp32 (float64 for float64 inputs) running max, normaliser, accumulators and gradients;
+masked logits are the finite MASK_VALUE and masked probabilities exactly 0; padding queries output 0.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lingpack.kernels.attention.blockwise import Tiling, blockwise_attention, tile_visible
+from lingpack.precision import at_least_fp32
 
 
 def _block(T: int, block: int) -> int:
@@ -35,7 +36,8 @@ def flash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, cau
     T = q_BTHK.shape[1]
     block = _block(T, block_kv)
     pad = -T % block
-    to_bhtk = lambda x: _pad(jnp.swapaxes(x, 1, 2).astype(jnp.float32), pad, 2)  # fp32 accumulation (§6)
+    wide = at_least_fp32(q_BTHK.dtype, k_BTHK.dtype, v_BTHV.dtype)  # fp32 (or float64) accumulation (§6)
+    to_bhtk = lambda x: _pad(jnp.swapaxes(x, 1, 2).astype(wide), pad, 2)
     seg = _pad(segment_ids_BT.astype(jnp.int32), pad, 1)
     index = jnp.arange(T + pad)
     o = blockwise_attention(to_bhtk(q_BTHK), to_bhtk(k_BTHK), to_bhtk(v_BTHV), seg, seg, index, index,

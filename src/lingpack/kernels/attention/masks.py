@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Finite mask value: `-inf - -inf` never happens and softmax stays NaN-free on empty rows (splash's choice).
+# Finite mask value: `-inf - -inf` never happens and softmax stays NaN-free on empty rows (splash's choice). A format:
+# fp32's, also in float64 logits (any finite value far below every real logit masks exactly: exp underflows to 0).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 

@@ -4,6 +4,11 @@ Splash masks pairs whose segment ids differ; we add the causal mask statically. 
 so q is pre-multiplied by `scale`. T is padded up to a multiple of `block` (the kernel's tile) with
 segment 0 tokens; padding queries (segment 0) see only padding keys there, and their outputs are
 zeroed afterwards so the shared mask contract holds (padding output is 0).
+
+On a sharded mesh the kernel runs per shard (`kernels/shard.py`: rows over `data, fsdp, expert`, heads
+over `tensor`; XLA cannot partition a Mosaic call), so each shard builds its multi-head mask for its
+local head count. Under context parallelism MLA does not call it (parallel/context.py runs the row's
+attention instead).
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from lingpack import backend
+from lingpack.kernels import shard
+
+TILE = shard.Dims(rows=0, heads=2)   # q, k [B, T, H, K]; v, o [B, T, H, V]
 
 
 @functools.lru_cache(maxsize=32)
@@ -30,10 +38,9 @@ def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: b
                                              interpret=interpret)
 
 
-def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,
-                     block: int = 128, interpret: bool | None = None):
-    interpret = backend.pallas_interpret(interpret, kernel="splash attention",
-                                         alternative="model.attention_impl=flash")
+def splash_local(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool, block: int,
+                 interpret: bool):
+    """The kernel on the arrays it is given (one shard's rows and heads, or everything off a mesh)."""
     B, T, H, K = q_BTHK.shape
     t_pad = -(-T // block) * block
     pad = t_pad - T
@@ -47,3 +54,16 @@ def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, ca
     o_BHTV = jax.vmap(run)(q, k, v, seg)
     o_BTHV = jnp.swapaxes(o_BHTV, 1, 2)[:, :T]
     return jnp.where((segment_ids_BT != 0)[..., None, None], o_BTHV, 0).astype(q_BTHK.dtype)
+
+
+splash_on_mesh = shard.over_mesh(splash_local, args=(TILE, TILE, TILE), kwargs={"segment_ids_BT": shard.Dims(rows=0)},
+                                 out=TILE, kernel="splash attention")
+
+
+def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,
+                     block: int = 128, interpret: bool | None = None):
+    interpret = backend.pallas_interpret(
+        interpret, kernel="splash attention", alternative="model.attention_impl=auto (pallas_triton)",
+        emulate="pass interpret=True to lingpack.kernels.attention.api.attention to emulate it")
+    return splash_on_mesh(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT=segment_ids_BT, scale=float(scale),
+                          causal=bool(causal), block=int(block), interpret=bool(interpret))

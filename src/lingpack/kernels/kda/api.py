@@ -3,7 +3,7 @@
 Layout `[B, T, H, K]` (v: `[B, T, H, V]`, beta: `[B, T, H]`), returning `(o [B,T,H,V], final_state)`.
 `segment_ids` int32 `[B, T]` (1,2,3... per row, 0 = trailing padding) reset the state at every document
 boundary; `None` means one document per row. `initial_state [B,H,K,V]` seeds each row's first segment;
-`final_state [B,H,K,V]` (fp32) is the state after each row's last real token.
+`final_state [B,H,K,V]` (fp32, float64 for float64 inputs) is the state after each row's last real token.
 
 Implementations (`impl`), all with the same semantics and tests:
   reference        naive recurrence, `lax.scan` over time (the dense reference)
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from lingpack.kernels.kda import chunked, gate, reference, segments
+from lingpack.precision import at_least_fp32
 
 IMPLS: dict[str, Callable] = {
     "reference": reference.reference_kda,
@@ -75,7 +76,7 @@ def _check_shapes(q, k, v, g, beta, segment_ids, initial_state):
             raise ValueError(f"{name} must have shape {shape} to match q {q.shape}; got {x.shape}")
     for name, x in {"q": q, "k": k, "v": v, "g": g, "beta": beta}.items():
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name} must be a floating dtype (fp32 or bf16); got {x.dtype}")
+            raise ValueError(f"{name} must be a floating dtype (bf16, fp32 or float64); got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if segment_ids is not None and segment_ids.shape != (B, T):
@@ -103,6 +104,9 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
     if impl not in IMPLS:
         raise ValueError(f"unknown KDA impl {impl!r}; valid choices: {sorted(IMPLS)}")
     _check_shapes(q, k, v, g, beta, segment_ids, initial_state)
+    if impl.startswith("pallas") and any(x.dtype == jnp.float64 for x in (q, k, v, g, beta)):
+        raise ValueError(f"impl={impl!r} is a TPU kernel computing in fp32 (TPUs have no float64): float64 inputs "
+                         "would be rounded; use impl='chunked' or 'reference'")
     B, T, H, K = q.shape
     V = v.shape[-1]
     if impl in CHUNKED:
@@ -129,11 +133,12 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, impl: str = "chunked", chun
     elif safe_gate and segments.is_concrete(g) and float(jnp.min(g)) < SAFE_GATE_MIN:
         raise ValueError(f"safe_gate=True needs every g >= {SAFE_GATE_MIN}; got min(g) = {float(jnp.min(g)):.3g}."
                          " Use the lower-bound gate or pass safe_gate=False")
-    if use_qk_l2norm_in_kernel:  # normalised q, k stay fp32 (as in FLA): rounding them to bf16 costs accuracy
-        q, k = gate.l2norm(q.astype(jnp.float32)), gate.l2norm(k.astype(jnp.float32))
+    if use_qk_l2norm_in_kernel:  # normalised q, k stay fp32 or wider (as in FLA): rounding them to bf16 costs accuracy
+        wide = at_least_fp32(q.dtype)
+        q, k = gate.l2norm(q.astype(wide)), gate.l2norm(k.astype(wide))
     scale = K ** -0.5 if scale is None else scale
-    if initial_state is None:
-        initial_state = jnp.zeros((B, H, K, V), jnp.float32)
+    if initial_state is None:  # the state's dtype: fp32, or float64 for float64 inputs
+        initial_state = jnp.zeros((B, H, K, V), at_least_fp32(q.dtype, v.dtype))
 
     kwargs = dict(segment_ids_BT=segment_ids, scale=scale, initial_state_BHKV=initial_state)
     if impl in CHUNKED:

@@ -25,6 +25,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from lingpack.kernels.kda import segments
 from lingpack.kernels.kda.gate import SUB_CHUNK, check_chunk_size  # decays factored per sub-chunk
+from lingpack.precision import at_least_fp32
 
 
 def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
@@ -61,7 +62,7 @@ def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
     if safe_gate:
         starts = jnp.concatenate([jnp.ones_like(seg_b[..., :1], bool), seg_b[..., 1:] != seg_b[..., :-1]], -1)
         ref = jax.lax.cummax(jnp.where(starts, jnp.arange(base), 0), axis=seg_b.ndim - 1)  # segment start in block
-        pick = (ref[..., :, None] == jnp.arange(base)).astype(jnp.float32)
+        pick = (ref[..., :, None] == jnp.arange(base)).astype(G_b.dtype)
         G_ref = jnp.einsum("...tr,...rk->...tk", pick, G_b, precision="highest")  # one-hot gather, exact
         pos = jnp.exp(G_b - G_ref)                                       # exponent <= 0
         A = jnp.einsum("...cxk,...ik->...cxi", jnp.stack([q_b * pos, k_b * pos], -2),
@@ -248,7 +249,7 @@ def _intra_chunk(q, k, g, beta, seg_C, *, sub: int, safe_gate: bool):
         # Segment-local cumsum as a 0/1 matmul: another document's g enters with an exact 0 weight, so its
         # gradient is exactly zero (a difference of prefix sums only cancels to rounding).
         same = seg_C[..., :, None] == seg_C[..., None, :]
-        prefix = (same & jnp.tril(jnp.ones((C, C), bool))).astype(jnp.float32)
+        prefix = (same & jnp.tril(jnp.ones((C, C), bool))).astype(g.dtype)
         prefix = jnp.broadcast_to(prefix, (*g.shape[:-2], C, C))  # per head: no transposes of g and its gradient
         G = jnp.einsum("...ci,...ik->...ck", prefix, g, precision="highest")
     A = _decay_products(q, k, G, seg_C, sub=sub, safe_gate=safe_gate)
@@ -275,8 +276,9 @@ def _lanes_major(x_BNH_):
 
 
 def _prepare(q, k, v, g, beta, real_BT, scale):
-    """fp32 copies with padding turned into no-op tokens."""
-    f32 = jnp.float32  # the state and every accumulation are fp32 whatever the input dtype
+    """fp32 (or float64) copies with padding turned into no-op tokens."""
+    # the state and every accumulation are fp32 whatever the input dtype (float64 when an input is float64)
+    f32 = at_least_fp32(q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
     m = real_BT[..., None, None]
     return (jnp.where(m, q.astype(f32) * scale, 0.0), jnp.where(m, k.astype(f32), 0.0),
             jnp.where(m, v.astype(f32), 0.0), jnp.where(m, g.astype(f32), 0.0),
@@ -310,9 +312,10 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
                keep=heads(carry_BNC[..., -1]))
     m = jax.tree.map(_lanes_major, pre)
     # lane b starts from table row b (its initial state); later chunks add the zero row B
-    table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
-    idx_NB = jnp.full((n_chunks, B), B, jnp.int32).at[0].set(jnp.arange(B))
-    r_NB = jnp.broadcast_to((jnp.arange(n_chunks) > 0)[:, None], (n_chunks, B)).astype(jnp.float32)
+    wide = xs[0].dtype
+    table = jnp.concatenate([initial_state_BHKV.astype(wide), jnp.zeros((1, H, K, V), wide)])
+    idx_NB = jnp.full((n_chunks, B), B, jnp.int32).at[0].set(jnp.arange(B, dtype=jnp.int32))
+    r_NB = jnp.broadcast_to((jnp.arange(n_chunks) > 0)[:, None], (n_chunks, B)).astype(wide)
     o_NMCV, _, _, final_MKV = chunk_scan(table, idx_NB, r_NB, *(m[name] for name in SCAN_INPUTS))
     o_BTHV = _from_chunks(jnp.moveaxis(o_NMCV.reshape(n_chunks, B, H, chunk_size, V), 0, 1))[:, :T]
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_MKV.reshape(B, H, K, V)
@@ -338,7 +341,8 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
     pre.update(q=q, k=k, v=v, carry=every, last=every, keep=every[..., 0])
 
     # Initial state per chunk: a row's first segment starts from that row's state, others from zero.
-    init_table = jnp.concatenate([initial_state_BHKV.astype(jnp.float32), jnp.zeros((1, H, K, V), jnp.float32)])
+    wide = xs[0].dtype
+    init_table = jnp.concatenate([initial_state_BHKV.astype(wide), jnp.zeros((1, H, K, V), wide)])
     # Capture each row's final state at the chunk holding the end of the row's last segment.
     last_seg = jnp.clip(plan.row_last_seg, 0, max_segs - 1)
     row_final_chunk = jnp.where(plan.row_last_seg >= 0, plan.seg_last_chunk[last_seg], -1)   # [B]
@@ -346,14 +350,14 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
     m = jax.tree.map(_lanes_major, pre)             # [N, H, ...]: the one lane of the aligned buffer
     reset_N1 = plan.chunk_starts_seg[:, None]
     idx_N1 = jnp.where(reset_N1, plan.chunk_init_row[:, None], B).astype(jnp.int32)
-    o_NHCV, states_NHKV, x_NHCV, _ = chunk_scan(init_table, idx_N1, 1.0 - reset_N1.astype(jnp.float32),
+    o_NHCV, states_NHKV, x_NHCV, _ = chunk_scan(init_table, idx_N1, 1.0 - reset_N1.astype(wide),
                                                 *(m[name] for name in SCAN_INPUTS))
     # Each row's final state: the state leaving the chunk that holds the end of its last segment.
     at = lambda a: jnp.take(a, jnp.maximum(row_final_chunk, 0), axis=0)   # [B, ...]
     _, _, k_out, decay = decay_factors(*(at(m[name]) for name in ("q", "k", "G", "carry", "last", "keep")))
     leaving = decay[..., None] * at(states_NHKV) + jnp.swapaxes(k_out, -1, -2) @ (at(m["t_mat"]) @ at(x_NHCV))
     final_BHKV = jnp.where((row_final_chunk >= 0)[:, None, None, None], leaving,
-                           initial_state_BHKV.astype(jnp.float32))
+                           initial_state_BHKV.astype(wide))
     o_flat = _from_chunks(o_NHCV[None])[0]                  # [T_new, H, V]
     o_BTHV = jnp.take(o_flat, plan.dest, axis=0, mode="fill", fill_value=0.0).reshape(B, T, H, V)
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV

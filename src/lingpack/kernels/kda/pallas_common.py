@@ -19,7 +19,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lingpack import backend
+from lingpack import backend, hlo
 from lingpack.kernels.kda import gate
 from lingpack.kernels.kda import pallas_chunk as chunk
 from lingpack.kernels.kda.pallas_chunk import iota
@@ -278,15 +278,6 @@ def cost_estimate(kind, steps, C, K, V, safe_gate, masked, fusion, args, out_sha
                            transcendentals=int(steps * c["transcendentals"]), bytes_accessed=int(moved))
 
 
-def pallas_calls(jaxpr, found=None) -> list:
+def pallas_calls(jaxpr) -> list:
     """Every `pallas_call` equation in a (closed) jaxpr, nested jaxprs included (cost model and budget tests)."""
-    found = [] if found is None else found
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found.append(eqn)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                if hasattr(inner, "eqns"):
-                    pallas_calls(inner, found)
-    return found
+    return hlo.pallas_call_eqns(jaxpr)

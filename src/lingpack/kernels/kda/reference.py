@@ -1,4 +1,4 @@
-"""The dense reference: the naive KDA recurrence (REFERENCE.md §1) as a `lax.scan` over time, in fp32.
+"""The dense reference: the naive KDA recurrence (REFERENCE.md §1) as a `lax.scan` over time, in fp32 (or float64).
 
     S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t
 
@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from lingpack.kernels.kda import segments
+from lingpack.precision import at_least_fp32
 
 
 def reference_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT, scale, initial_state_BHKV):
     B, T, H, K = q_BTHK.shape
-    f32 = jnp.float32  # the state and every accumulation are fp32 whatever the input dtype
+    # the state and every accumulation are fp32 whatever the input dtype (float64 when an input is float64)
+    f32 = at_least_fp32(q_BTHK.dtype, k_BTHK.dtype, v_BTHV.dtype, g_BTHK.dtype, beta_BTH.dtype)
     real_BT = segment_ids_BT != 0
     reset_BT = segments.segment_starts(segment_ids_BT).at[:, 0].set(False)  # row starts keep initial_state
     mask = real_BT[..., None, None]

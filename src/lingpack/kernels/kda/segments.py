@@ -206,7 +206,7 @@ def packing_stats(segment_ids: jax.Array, *, max_segs: int | None = None, chunk_
     per_row = jnp.sum(segment_starts(segment_ids), axis=1)
     stats = {
         "segments": count,
-        "segments_per_row_mean": jnp.mean(per_row.astype(jnp.float32)),
+        "segments_per_row_mean": jnp.mean(per_row.astype(jnp.float32)),   # reported figures: fp32 in every dtype
         "segments_per_row_max": jnp.max(per_row),
         "invalid_rows": invalid_rows(segment_ids),
         "native_t_over_t": jnp.float32(math.ceil(T / chunk_size) * chunk_size / T),

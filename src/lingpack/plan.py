@@ -1,0 +1,231 @@
+"""`python -m lingpack.plan`: what a training step costs on a slice of N chips, before renting it.
+
+    python -m lingpack.plan model=ling3_flagship kernel=pallas_segment data.seq_length=8192 \\
+        data.global_batch_size=64 parallel.data=1 parallel.fsdp=8 parallel.expert=8 \\
+        plan.devices=64 plan.chip=v5p plan.output=plan.json
+
+Every argument but `plan.*` is a run.py override: the config is composed by Hydra from the same `conf/`
+(`plan.conf_dir`, else `./conf` when run from a checkout, else the checkout this package is installed
+from) and resolved by `lingpack.config.build`, so a config run.py rejects is rejected here with the same
+one-line error. The data is not read (only its shape and vocabulary matter). The planner's own keys
+(`PlanConfig`): devices, chip (`lingpack.chips`), output (JSON path), search, layers, export, conf_dir.
+
+Per mesh (`lingpack.plan_measure` does the measuring):
+  1. export    the run's TrainProgram traced for the chip's platform (`lingpack.backend.target`): the step
+               lowers there, and its Pallas kernels are Mosaic calls, counted by name. A config that
+               cannot run on that platform (a TPU-only kernel on a GPU) stops here with its ConfigError.
+  2. compile   the same program for N fake CPU devices with each Pallas kernel replaced by its XLA twin
+               (XLA:CPU compiles no Pallas TPU or GPU call): KDA pallas_segment -> chunked, pallas_varlen
+               -> chunked_aligned; attention (`auto` resolved for the chip) -> flash. Mesh, shardings,
+               loss, optimizer, micro-batches: the run's.
+  3. report    per device: the train state's exact bytes (its shardings), XLA:CPU's memory_analysis() of
+               the compiled step, `fits` against the chip's HBM; FLOPs (train/flops.py's analytic count,
+               XLA's cost analysis, the matmul FLOPs the HLO executes); collectives by kind (loop trip
+               counts in); a roofline time and the MFU it implies.
+`plan.search=true` also plans other meshes of N devices and recommends the cheapest that fits.
+XLA:CPU assigns buffers and fuses differently from XLA:TPU / XLA:GPU: the compiled bytes are this
+program's temporaries as XLA:CPU plans them, an estimate; the state bytes are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from lingpack.errors import ConfigError
+
+OUTPUT_KEYS = ("per_device_bytes", "hbm_bytes", "fits", "step_flops", "collective_bytes", "est_step_s", "mfu_at_est")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    devices: int = 8             # chips of the slice (fake CPU devices here)
+    chip: str = "v5p"            # lingpack.chips: v5e v5p v6e h100 h200
+    output: str | None = None    # write the plan's JSON here
+    search: bool = False         # also plan other meshes of `devices` and recommend the cheapest that fits
+    search_max: int = 4          # meshes compiled by the search, the configured one included
+    layers: int | None = None    # compile this many layers (and this + one layer cycle), scale per layer
+    export: bool = True          # export for the chip's platform (proves lowering, counts Mosaic kernels)
+    conf_dir: str | None = None  # the Hydra config directory (default: ./conf, else the package's checkout)
+
+    def __post_init__(self):
+        if self.devices < 1:
+            raise ConfigError(f"plan.devices={self.devices} must be >= 1 (the slice's chip count)")
+        if self.search_max < 1:
+            raise ConfigError(f"plan.search_max={self.search_max} must be >= 1")
+        from lingpack import chips
+        chips.chip(self.chip)
+
+
+def split_arguments(argv: list[str]) -> tuple[list[str], dict]:
+    """(run.py overrides, {plan key: value}) from the command line; plan values are parsed like Hydra's."""
+    from omegaconf import OmegaConf
+    plan = [a for a in argv if a.startswith("plan.")]
+    if any("=" not in a for a in plan):
+        raise ConfigError(f"plan options take a value: {[a for a in plan if '=' not in a]}; e.g. plan.devices=64")
+    values = OmegaConf.to_container(OmegaConf.from_dotlist(plan)).get("plan", {}) if plan else {}
+    return [a for a in argv if not a.startswith("plan.")], values
+
+
+def plan_config(values: dict) -> PlanConfig:
+    from lingpack.config import make
+    return make(PlanConfig, values, "plan")
+
+
+def find_conf_dir(explicit: str | None = None) -> Path:
+    """The Hydra config directory: `explicit`, else ./conf, else the checkout holding this package."""
+    candidates = [Path(explicit)] if explicit else [Path.cwd() / "conf", Path(__file__).resolve().parents[2] / "conf"]
+    for path in candidates:
+        if (path / "config.yaml").is_file():
+            return path.resolve()
+    raise ConfigError(f"no Hydra config (config.yaml) in {' or '.join(str(p) for p in candidates)}: run from the "
+                      "lingpack checkout (its conf/ directory) or pass plan.conf_dir=/path/to/conf")
+
+
+def compose(overrides: list[str], conf_dir: Path) -> dict:
+    """The plain config run.py would see for `overrides` (hydra's own keys dropped)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(conf_dir), version_base="1.3", job_name="plan"):
+            cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)   # `${hydra:...}` interpolations resolve as in a run
+        with open_dict(cfg):
+            del cfg["hydra"]   # its sweep keys only resolve inside a multirun
+        plain = OmegaConf.to_container(cfg, resolve=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(str(err).strip().splitlines()[0]) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return plain
+
+
+def run_config(plain: dict):
+    """`lingpack.config.build` of the composed config; the data files are not opened (a null vocabulary
+    still follows the data's tokenizer record)."""
+    from lingpack import config as config_lib
+    from lingpack.train import optim as optim_lib
+    data = dict(plain.get("data") or {})
+    if data.get("vocab_size") is not None:  # nothing to read from the data: no bundled corpus tokenized
+        data["paths"] = []
+    rc = config_lib.build(dict(plain, data=data), run_dir=os.devnull, open_data=False)
+    return dataclasses.replace(rc, optim=optim_lib.resolve(rc.optim, rc.train.steps))   # as train/loop.py does
+
+
+def use_fake_devices(n: int) -> None:
+    """Make this process see `n` CPU devices; must run before JAX initialises its backends."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def plan(rc, cfg: PlanConfig, *, log=print) -> dict:
+    """The plan of run config `rc` on `cfg.devices` x `cfg.chip` (see the module docstring)."""
+    import jax
+
+    from lingpack import chips
+    from lingpack import plan_measure as measure
+    devices = jax.devices()
+    if len(devices) < cfg.devices:
+        raise ConfigError(f"plan.devices={cfg.devices} but this process has {len(devices)} devices: JAX was "
+                          "initialised before the planner set the fake device count; run `python -m lingpack.plan` "
+                          "in a fresh process")
+    chip = chips.chip(cfg.chip)
+    meshes = [rc.parallel]
+    if cfg.search:
+        meshes += measure.candidate_meshes(rc, cfg.devices, limit=cfg.search_max - 1)
+    results = []
+    for parallel in meshes:
+        log(f"plan: mesh {measure.mesh_name(parallel, cfg.devices)} on {cfg.devices} x {chip.name} ...")
+        try:
+            results.append(measure.measure(rc, parallel, chip, devices[:cfg.devices], layers=cfg.layers,
+                                           export=cfg.export, log=log))
+        except ConfigError as err:
+            if parallel is rc.parallel:
+                raise
+            log(f"plan: skipped: {err}")
+    best = min((r for r in results if r["fits"]), key=lambda r: r["est_step_s"], default=None)
+    out = dict(results[0])
+    if cfg.search:
+        out["candidates"] = [{k: r[k] for k in ("mesh", "per_device_bytes", "fits", "est_step_s", "mfu_at_est")}
+                             for r in results]
+        out["recommended"] = best["mesh"] if best else None
+    return out
+
+
+def gib(b: float) -> str:
+    """Bytes in GiB, or MiB / KiB when smaller."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(b) >= size or unit == "KiB":
+            return f"{b / size:.2f} {unit}"
+
+
+def table(result: dict) -> str:
+    """The plan as console text."""
+    r, b = result, result["breakdown"]
+    state = b["state_bytes"]
+    lines = [f"plan: {r['config']['model']} T={r['config']['seq_length']} x {r['config']['global_batch_size']} rows "
+             f"({r['config']['micro_batches']} micro-batches) on {r['devices']} x {r['chip']['name']}, "
+             f"mesh {r['mesh']}",
+             "", "| per device | bytes |", "|---|---|"]
+    rows = [("parameters (master)", state["params"]), ("optimizer state", state["optimizer"]),
+            ("model state (expert bias, ...)", state["rest"]), ("gradient accumulator (fp32)", b["gradient_bytes"]),
+            ("batch", b["batch_bytes"]), ("temporaries (XLA:CPU, incl. gradients, activations)", b["compiled"]["temp"]),
+            ("peak (arguments + outputs + temporaries - aliased)", r["per_device_bytes"]), ("HBM", r["hbm_bytes"])]
+    lines += [f"| {name} | {gib(v)} |" for name, v in rows]
+    lines += [f"| fits | {'yes' if r['fits'] else 'NO'} |", ""]
+    f = r["step_flops"]
+    lines += [f"step FLOPs per device: analytic {f['analytic']:.3e} | XLA cost analysis {f['xla_cost_analysis']:.3e} "
+              f"(loop bodies once) | HLO matmuls {f['hlo_dots']:.3e} (loop trip counts in)"]
+    moved = {k: v for k, v in r["collective_bytes"].items() if v}
+    lines += ["collectives per device per step: " + (", ".join(f"{k} {gib(v)}" for k, v in moved.items()) or "none")]
+    roof = b["roofline"]
+    lines += [f"roofline: compute {roof['compute_s'] * 1e3:.1f} ms, HBM {roof['memory_s'] * 1e3:.1f} ms, collectives "
+              f"{roof['collective_s'] * 1e3:.1f} ms -> est. step {r['est_step_s'] * 1e3:.1f} ms, MFU {r['mfu_at_est']:.1%}"]
+    export = r.get("export")
+    if export:
+        calls = export["mosaic_kernels"] if export["platform"] == "tpu" else export.get("triton_kernels", {})
+        lines += [f"export for {export['platform']}: " + ("lowers" if export["lowers"] else f"FAILS ({export['error']})")
+                  + f"; {'Mosaic' if export['platform'] == 'tpu' else 'Triton'} kernels {calls or 'none'}, "
+                  f"interpret-mode kernels {export['interpret_kernels'] or 'none'}"]
+    if r.get("candidates"):
+        lines += ["", "| mesh | per device | fits | est. step | MFU |", "|---|---|---|---|---|"]
+        for c in r["candidates"]:
+            lines.append(f"| {c['mesh']} | {gib(c['per_device_bytes'])} | {'yes' if c['fits'] else 'no'} | "
+                         f"{c['est_step_s'] * 1e3:.1f} ms | {c['mfu_at_est']:.1%} |")
+        lines.append(f"recommended: {r['recommended'] or 'none fits'}")
+    lines += ["", *("note: " + n for n in r["notes"])]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        overrides, values = split_arguments(argv)
+        cfg = plan_config(values)
+        use_fake_devices(cfg.devices)
+        rc = run_config(compose(overrides, find_conf_dir(cfg.conf_dir)))
+        result = plan(rc, cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except ConfigError as err:
+        print(f"Error: {err}", file=sys.stderr, flush=True)
+        return 1
+    result["config"]["overrides"] = overrides
+    if cfg.output:
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output).write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

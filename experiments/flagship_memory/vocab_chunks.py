@@ -7,6 +7,8 @@ one row of T=4096, one device, fp32 master weights, z-loss 1e-4 (so the logsumex
 
 * memory: the compiled train step's temporaries (`memory_analysis()`, nothing run) for each `vocab_chunk_size`
   (0 = the whole vocabulary), and their ratio to the whole-vocabulary step's.
+* head memory: the compiled temporaries of the head + cross-entropy alone (below) at T=4096: the part of the
+  step the chunks change (the 2-layer step's peak is its optimizer update, where the head's arrays are dead).
 * time: the head + cross-entropy alone (final-normed hidden [1, `--time-tokens`, 1536] fp32 and the
   [1536, 157184] head weight; loss = masked xent + z-loss; gradients of both), every chunk size called in
   turn, `--repeats` rounds, process CPU seconds per call (median), as a ratio to the whole-vocabulary call
@@ -67,6 +69,13 @@ def head_fn(chunk: int):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
+def head_memory(chunks: list[int]) -> dict:
+    cfg = model_config(0)
+    args = (jax.ShapeDtypeStruct((1, T, cfg.emb_dim), jnp.float32), jax.ShapeDtypeStruct((cfg.emb_dim, cfg.vocab_size), jnp.float32),
+            jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((1, T), jnp.float32))
+    return {str(c): int(head_fn(c).lower(*args).compile().memory_analysis().temp_size_in_bytes) for c in chunks}
+
+
 def _rel(a, b) -> float:
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
@@ -104,11 +113,15 @@ def render(result: dict) -> str:
     memory, timing = result["memory"], result["head"]
     base_temp, base_cpu = memory["0"]["temp_bytes"], timing["0"]["cpu_s_median"]
     lines = [f"Vocabulary chunks at V={result['vocab']}, T={result['T']} (commit {result['commit']}, {result['machine']})",
-             "", f"| vocab_chunk_size | step temp GiB (T={result['T']}) | temp / whole | head+xent CPU s (T={result['time_tokens']}) | CPU / whole | loss rel | dh rel | dw rel |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "", f"| vocab_chunk_size | step temp GiB (T={result['T']}) | temp / whole | head+xent temp GiB (T={result['T']}) "
+             f"| temp / whole | head+xent CPU s (T={result['time_tokens']}) | CPU / whole | loss rel | dh rel | dw rel |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    head_temp = result.get("head_temp_bytes", {})
     for c in result["chunks"]:
         m, t = memory[str(c)], timing[str(c)]
-        lines.append(f"| {c or 'whole'} | {m['temp_bytes'] / 2**30:.2f} | {m['temp_bytes'] / base_temp:.2f} | "
+        ht = head_temp.get(str(c))
+        head_cells = f"{ht / 2**30:.2f} | {ht / head_temp['0']:.2f}" if ht else "- | -"
+        lines.append(f"| {c or 'whole'} | {m['temp_bytes'] / 2**30:.2f} | {m['temp_bytes'] / base_temp:.2f} | {head_cells} | "
                      f"{t['cpu_s_median']:.2f} | {t['cpu_s_median'] / base_cpu:.2f} | {t['loss_rel']:.1e} | "
                      f"{t['dh_rel']:.1e} | {t['dw_rel']:.1e} |")
     return "\n".join(lines) + "\n"
@@ -119,15 +132,25 @@ def main():
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 16384, 32768])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--time-tokens", type=int, default=1024)
+    parser.add_argument("--head-memory-only", action="store_true", help="add the head's compiled temporaries to "
+                        "results/vocab_chunks.json (compile only)")
     args = parser.parse_args()
     chunks = sorted(set([0] + args.chunks))
+    if args.head_memory_only:
+        result = json.loads((OUT / "vocab_chunks.json").read_text())
+        result["head_temp_bytes"] = head_memory(result["chunks"])
+        result["head_memory_commit"] = _commit()
+        (OUT / "vocab_chunks.json").write_text(json.dumps(result, indent=1) + "\n")
+        (OUT / "vocab_chunks.md").write_text(render(result))
+        print(render(result))
+        return
     memory = {}
     for c in chunks:
         memory[str(c)] = step_memory(c)
         print(f"vocab_chunk_size={c}: temp {memory[str(c)]['temp_bytes'] / 2**30:.2f} GiB", flush=True)
     result = {"commit": _commit(), "machine": "shared 2-core CPU host, fp32", "vocab": model_config(0).vocab_size,
               "T": T, "time_tokens": args.time_tokens, "chunks": chunks, "memory": memory,
-              "head": head_timing(chunks, args.repeats, args.time_tokens)}
+              "head": head_timing(chunks, args.repeats, args.time_tokens), "head_temp_bytes": head_memory(chunks)}
     OUT.mkdir(exist_ok=True)
     (OUT / "vocab_chunks.json").write_text(json.dumps(result, indent=1) + "\n")
     (OUT / "vocab_chunks.md").write_text(render(result))

@@ -1,4 +1,4 @@
-"""Training losses with Megatron-LM's reduction semantics (REFERENCE.md §4).
+"""Training losses with Megatron-LM's reduction semantics (docs/design.md#megatron-loss-reduction).
 
 A step's global batch of B rows is split into M micro-batches of B/M rows (`step.py` scans over them);
 each micro-batch's rows split further into G = `megatron_dp_size` contiguous groups, Megatron's

@@ -308,24 +308,3 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
         kwargs = dict(in_shardings=(shardings, NamedSharding(mesh, shard_lib.batch_spec(mesh, rules))),
                       out_shardings=(shardings, None))
     return jax.jit(step, donate_argnums=(0,) if donate else (), **kwargs)
-
-
-def eval_loss(model_def: ModelDef, state: TrainState, batch: dict, loss_cfg: LossConfig, *,
-              micro_batches: int = 1) -> dict:
-    """Loss metrics of one batch without an update (the same reduction as training)."""
-    model_cfg = model_def.config
-    moe_z_weight, _ = _moe_rate_and_weight(loss_cfg, model_cfg)
-    depths = getattr(model_cfg, "mtp_num_layers", 0) or 0
-    B = batch["inputs"].shape[0]
-    micro = {k: jnp.asarray(v).reshape(micro_batches, B // micro_batches, *v.shape[1:]) for k, v in batch.items()}
-    micro, _ = drop_overflow(micro, kernel_max_segs(model_cfg))
-    totals = loss_lib.totals(micro, depths)
-    model = model_def.merge(state.params, state.rest)
-    stats_sum = None
-    for m in range(micro_batches):
-        mb = {k: v[m] for k, v in micro.items()}
-        out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
-        _, stats = loss_lib.micro_batch_loss(out.head, list(out.mtp_heads), out.moe_aux, mb, loss_cfg, totals,
-                                             num_micro_batches=micro_batches, moe_z_loss_weight=moe_z_weight)
-        stats_sum = stats if stats_sum is None else jax.tree.map(jnp.add, stats_sum, stats)
-    return loss_lib.metrics(stats_sum, loss_cfg, num_micro_batches=micro_batches)

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from experiments.provenance import commit
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent / "results"
 T = 8192
@@ -123,11 +125,6 @@ def run_case(name: str, attribute: bool) -> dict:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["remat_warnings"] = proc.stderr.count(WARNING)
     return result
-
-
-def commit() -> str:
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "src", "conf") else "")
 
 
 def main():

@@ -39,6 +39,7 @@ def renderers() -> dict:
     from experiments.pallas_cost import cost_model
     from experiments.phantom_overhead import sweep
     from experiments.plan import flagship as plan_flagship
+    from experiments.whole_document_packing import fill as packing_fill
 
     def cp_table():
         result = _load("experiments/context_parallel/results/results.json")
@@ -47,6 +48,7 @@ def renderers() -> dict:
     memory = "experiments/context_parallel/results/model_memory.json"
     schedule = "experiments/context_parallel/results/context_schedule.json"
     plans = "experiments/plan/results/flagship.json"
+    fill = "experiments/whole_document_packing/results/fill.json"
     return {
         "make_run": ("experiments/make_run/results/summary.json", run_default,
                      lambda: run_default.table(_load("experiments/make_run/results/summary.json"))),
@@ -64,6 +66,7 @@ def renderers() -> dict:
         "context_parallel_model": (memory, model_memory, lambda: model_memory.table(_load(memory))),
         "context_schedule": (schedule, context_schedule, lambda: context_schedule.table(_load(schedule))),
         "plan_flagship": (plans, plan_flagship, lambda: plan_flagship.table(_load(plans))),
+        "whole_document_packing": (fill, packing_fill, lambda: packing_fill.table(_load(fill))),
     }
 
 

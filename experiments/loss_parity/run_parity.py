@@ -28,6 +28,7 @@ from pathlib import Path
 from experiments.provenance import commit
 
 ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "experiments" / "loss_parity" / "results"
 KIMI = ["model.mtp_num_layers=0", "model.kda.lower_bound=null", "model.mla.rope_type=none"]  # KimiLinear's model
 FP32, BF16, FP64 = ["model.dtype=float32"], ["model.dtype=bfloat16"], ["experiment=loss_parity_fp64"]
 LOCKED = ["parity.lock_routing=true"]
@@ -47,7 +48,7 @@ VARIANTS = {  # name -> (overrides, relative tolerance); fp64 rows run float64 o
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--out", default=str(ROOT / "experiments" / "loss_parity" / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--reuse", action="store_true", help="keep every variant whose run directory has a summary")
     parser.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run these variants, keep the others' runs")
     parser.add_argument("--table-only", action="store_true", help="run nothing: the table from the runs in --out")

@@ -252,6 +252,111 @@ def collectives(hlo: str, branch_weights=None) -> dict:
             "trivial": trivial}
 
 
+# ------------------------------------------------------------------ buffers live at the peak of the memory plan
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One HLO value live at the peak of a compiled program's buffer assignment, with what produced it."""
+    name: str              # the value as XLA names it: the producing instruction and a tuple index, e.g. "fusion.3{}"
+    bytes: int
+    shape: str             # the producing instruction's result shape ("" if not found in the HLO text)
+    op_name: str           # JAX's name stack of the producer ("jit(step)/while/body/.../dot_general"); "" if none
+    frames: tuple          # Python frames that traced it, innermost first: ((file, function, line), ...)
+
+    def frame_under(self, package: str) -> tuple | None:
+        """The innermost frame in a file under a directory named `package` (e.g. "lingpack"), else None."""
+        for frame in self.frames:
+            if f"/{package}/" in frame[0]:
+                return frame
+        return None
+
+
+def _stack_frames(hlo: str) -> dict[int, tuple]:
+    """stack_frame_id -> frames innermost first, from the FileNames / FunctionNames / FileLocations / StackFrames
+    tables that the compiled HLO text carries."""
+    tables, table = collections.defaultdict(dict), None
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            table = line
+        elif table and re.match(r"^\d+ ", line):
+            key, value = line.split(" ", 1)
+            tables[table][int(key)] = value
+        elif table and line.strip():
+            table = None
+    unquote = lambda s: s.strip().strip('"')
+    locations = {}
+    for key, value in tables["FileLocations"].items():
+        fields = dict(re.findall(r"(\w+)=(\d+)", value))
+        locations[key] = (unquote(tables["FileNames"].get(int(fields["file_name_id"]), "")),
+                          unquote(tables["FunctionNames"].get(int(fields["function_name_id"]), "")), int(fields["line"]))
+    frames = {}
+    for key, value in tables["StackFrames"].items():
+        fields = dict(re.findall(r"(\w+)=(\d+)", value))
+        frames[key] = (locations.get(int(fields["file_location_id"])), int(fields["parent_frame_id"]))
+
+    def chain(key: int) -> tuple:
+        out, seen = [], set()
+        while key in frames and key not in seen:
+            seen.add(key)
+            location, parent = frames[key]
+            if location:
+                out.append(location)
+            key = parent
+        return tuple(out)
+    return {key: chain(key) for key in frames}
+
+
+def _instructions(hlo: str) -> dict[str, tuple[str, str, int | None]]:
+    """instruction name -> (result shape, op_name, stack_frame_id)."""
+    found = {}
+    for line in hlo.splitlines():
+        head = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^=]*?\)|\S+) ", re.sub(r"/\*.*?\*/", "", line))
+        if head:
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            frame = re.search(r"stack_frame_id=(\d+)", line)
+            found[head.group(1)] = (head.group(2), op_name.group(1) if op_name else "",
+                                    int(frame.group(1)) if frame else None)
+    return found
+
+
+def peak_buffers(live_range: str, hlo: str) -> list[Buffer]:
+    """Every value live at the peak of the buffer assignment, largest first.
+
+    `live_range`: XLA's `*-live-range.txt` dump of the program (its "Live ranges at N (peak)" section; see
+    `compile_with_buffer_dump`); `hlo`: the compiled program's text (`compiled.as_text()`), for each value's
+    producer: its name stack and the Python frames (the text's stack-frame tables) that traced it.
+    """
+    section = re.search(r"Live ranges at \d+ \(peak\):\n((?:\s+\S+: \d+ bytes.*\n?)*)", live_range)
+    if section is None:
+        raise ValueError("no 'Live ranges at N (peak)' section: pass the *-live-range.txt file of an XLA dump")
+    instructions, frames = _instructions(hlo), _stack_frames(hlo)
+    out = []
+    for name, size in re.findall(r"^\s+(\S+): (\d+) bytes", section.group(1), re.M):
+        shape, op_name, frame = instructions.get(re.sub(r"\{.*\}$", "", name), ("", "", None))
+        out.append(Buffer(name, int(size), shape, op_name, frames.get(frame, ())))
+    return sorted(out, key=lambda b: -b.bytes)
+
+
+def group_bytes(buffers, key) -> dict[str, int]:
+    """{key(buffer): total bytes}, largest first."""
+    totals = collections.Counter()
+    for buffer in buffers:
+        totals[key(buffer)] += buffer.bytes
+    return dict(totals.most_common())
+
+
+def compile_with_buffer_dump(lowered, directory: str):
+    """(compiled, its live-range dump text): `lowered.compile` with XLA's dump into `directory` (text HLO only)."""
+    import glob
+    import os
+    compiled = lowered.compile(compiler_options={"xla_dump_to": directory, "xla_dump_hlo_as_text": True})
+    paths = sorted(glob.glob(os.path.join(directory, "*-live-range.txt")), key=os.path.getmtime)
+    if not paths:
+        raise RuntimeError(f"XLA wrote no *-live-range.txt into {directory}")
+    with open(paths[-1]) as f:
+        return compiled, f.read()
+
+
 def mosaic_calls(module: str) -> dict:
     """Mosaic (Pallas TPU) kernels of a StableHLO module (`jax.export(...).mlir_module()`): {kernel name: calls}.
 

@@ -167,15 +167,16 @@ def test_conf_model_yaml_builds(name, capsys):
     assert (len(kinds), sum(m == "kda" for m, _ in kinds), cfg.emb_dim, cfg.vocab_size) == (layers, kda_layers, width, vocab)
     assert (cfg.moe.num_experts, cfg.dtype, cfg.kda.lower_bound, cfg.mla.rope_type) == (experts, dtype, -5.0, "rope")
     num_moe = sum(f == "moe" for _, f in kinds) + cfg.mtp_num_layers
+    outputs = lambda m, x: (lambda out: (out.logits_BTV, out.mtp_logits, out.moe_aux))(m(x, x, x))
     if name == "ling3_tiny":  # small enough to run
         model = Ling3(cfg, rngs=nnx.Rngs(0))
-        out = nnx.jit(lambda m, x: m(x))(model, jnp.ones((2, 16), jnp.int32))
-        assert np.isfinite(np.asarray(out.logits_BTV)).all()
+        logits, mtp_logits, moe_aux = nnx.jit(outputs)(model, jnp.ones((2, 16), jnp.int32))
+        assert np.isfinite(np.asarray(logits)).all()
     else:  # shape-checked only: the whole forward traced, never run
         model = nnx.eval_shape(lambda: Ling3(cfg, rngs=nnx.Rngs(0)))
-        out = nnx.eval_shape(lambda m, x: m(x, x, x), model, jax.ShapeDtypeStruct((2, 16), jnp.int32))
-    assert out.logits_BTV.shape == (2, 16, vocab) and out.logits_BTV.dtype == jnp.float32
-    assert len(out.mtp_logits) == cfg.mtp_num_layers == 1 and out.moe_aux["load_counts"].shape == (num_moe, experts)
+        logits, mtp_logits, moe_aux = nnx.eval_shape(outputs, model, jax.ShapeDtypeStruct((2, 16), jnp.int32))
+    assert logits.shape == (2, 16, vocab) and logits.dtype == jnp.float32
+    assert len(mtp_logits) == cfg.mtp_num_layers == 1 and moe_aux["load_counts"].shape == (num_moe, experts)
 
 
 def test_bfloat16_compute_tracks_fp32():
@@ -223,12 +224,12 @@ def test_remat_gives_identical_gradients():
 def test_head_matmul_gradients_are_autodiffs(monkeypatch):
     """`head_matmul`'s hand-written VJP against autodiff of a plain matmul: alone (any leading axes; a weight
     that is a transposed table, as with tied embeddings) and as the head of a model (main + MTP logits)."""
-    from lingpack.models import ling3
+    from lingpack.models import head as head_lib
     keys = jax.random.split(jax.random.key(0), 3)
     table = jax.random.normal(keys[1], (33, 16))
     for lead in [(7,), (2, 5), (2, 3, 4)]:
         h, g = jax.random.normal(keys[0], (*lead, 16)), jax.random.normal(keys[2], (*lead, 33))
-        ours = jax.jit(lambda h, e: jax.vjp(lambda h, e: ling3.head_matmul(h, e.T), h, e)[1](g))(h, table)
+        ours = jax.jit(lambda h, e: jax.vjp(lambda h, e: head_lib.head_matmul(h, e.T), h, e)[1](g))(h, table)
         ref = jax.vjp(lambda h, e: h @ e.T, h, table)[1](g)
         for a, b in zip(ours, ref):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
@@ -238,7 +239,7 @@ def test_head_matmul_gradients_are_autodiffs(monkeypatch):
     loss = lambda m: jnp.mean(per_token_losses(m(batch["inputs"], batch["inputs_segmentation"],
                                                  batch["inputs_position"]), batch))
     grads = [nnx.jit(nnx.grad(loss))(Ling3(cfg, rngs=nnx.Rngs(0)))]
-    monkeypatch.setattr(ling3, "head_matmul", jnp.matmul)  # autodiff's head
+    monkeypatch.setattr(head_lib, "head_matmul", jnp.matmul)  # autodiff's head
     grads.append(nnx.jit(nnx.grad(loss))(Ling3(cfg, rngs=nnx.Rngs(0))))
     for (path, a), (_, b) in zip(nnx.to_flat_state(grads[0]), nnx.to_flat_state(grads[1])):
         np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-5, atol=1e-7, err_msg=str(path))

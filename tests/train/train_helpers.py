@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lingpack.models.head import LMHead
 from lingpack.models.ling3 import Ling3Output
 from lingpack.models.moe import ExpertBias, MoEConfig
 
@@ -83,12 +84,11 @@ class TinyLM(nnx.Module):
         x = x + jnp.tanh(x @ self.up[...] + self.up_bias[...]) @ self.down[...]
         x, aux = self.moe(x, segment_ids_BT)
         h = x * self.norm[...]
-        logits = h @ self.lm_head[...]
         nxt = jnp.pad(self.embed[...][inputs_BT], ((0, 0), (0, 1), (0, 0)))[:, 1:]
         mtp_h = jnp.concatenate([h, nxt], axis=-1) @ self.mtp_proj[...]
         stack = lambda v: jnp.asarray(v)[None]
         moe_aux = {k: stack(v) for k, v in aux.items()}
-        return Ling3Output(logits, [mtp_h @ self.lm_head[...]], moe_aux, x)
+        return Ling3Output(LMHead(h, self.lm_head[...]), [LMHead(mtp_h, self.lm_head[...])], moe_aux, x)
 
 
 def tiny_model_def(cfg: TinyConfig = TinyConfig(), seed: int = 0):

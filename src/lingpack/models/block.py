@@ -16,6 +16,7 @@ from lingpack.models.kda import KDA, KDAConfig, KDAKernel
 from lingpack.models.layers import MLP, RMSNorm
 from lingpack.models.mla import MLA, MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
+from lingpack.parallel.layout import BTD, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,23 +62,25 @@ FFN_PARTS = ("post_attention_layernorm", "mlp")      # and after it
 
 def mix(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
     """x + mixer(norm(x)) of `layer` (a DecoderLayer, or any module with its MIXER_PARTS and `mixer`)."""
-    h = layer.input_layernorm(x_BTD)
-    if layer.mixer == "kda":
-        h = layer.self_attn(h, segment_ids_BT)
-    else:
-        h = layer.self_attn(h, segment_ids_BT, positions_BT)
-    return x_BTD + h.astype(x_BTD.dtype)
+    with jax.named_scope(layer.mixer):
+        h = layer.input_layernorm(x_BTD)
+        if layer.mixer == "kda":
+            h = layer.self_attn(h, segment_ids_BT)
+        else:
+            h = layer.self_attn(h, segment_ids_BT, positions_BT)
+    return constrain(x_BTD + h.astype(x_BTD.dtype), BTD)
 
 
 def feed(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array):
     """(x + ffn(norm(x)), moe aux or None) of `layer` (a DecoderLayer, or any module with its FFN_PARTS and `ffn`)."""
-    h = layer.post_attention_layernorm(x_BTD)
     aux = None
-    if layer.ffn == "moe":
-        h, aux = layer.mlp(h, segment_ids_BT)
-    else:
-        h = layer.mlp(h)
-    return x_BTD + h.astype(x_BTD.dtype), aux
+    with jax.named_scope(layer.ffn):
+        h = layer.post_attention_layernorm(x_BTD)
+        if layer.ffn == "moe":
+            h, aux = layer.mlp(h, segment_ids_BT)
+        else:
+            h = layer.mlp(h)
+    return constrain(x_BTD + h.astype(x_BTD.dtype), BTD), aux
 
 
 def parts(layer, index: tuple = (), names: tuple = MIXER_PARTS + FFN_PARTS) -> dict:

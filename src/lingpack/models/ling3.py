@@ -42,12 +42,14 @@ from lingpack.kernels.attention.api import CHOICES as ATTENTION_CHOICES
 from lingpack.kernels.attention.api import FP32_KERNELS as ATTENTION_FP32_KERNELS
 from lingpack.kernels.kda import api as kda_api
 from lingpack.models.block import DecoderLayer, LayerSpec, parts
+from lingpack.models.head import LMHead, head_matmul  # noqa: F401  (head_matmul re-exported)
 from lingpack.models.kda import KDAConfig, KDAKernel
 from lingpack.models.layers import DEFAULT_INIT, RMSNorm, partitioned
 from lingpack.models.mla import MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
 from lingpack.models.mtp import MTPConfig, MTPLayer, roll_and_mask_by_segment
 from lingpack.models.stack import LayerStack
+from lingpack.parallel.layout import BTD, constrain
 from lingpack.precision import as_dtype, at_least_fp32
 
 # What a remat'ed layer keeps for the backward pass (jax.checkpoint_policies); the rest is recomputed.
@@ -59,30 +61,30 @@ REMAT_POLICIES = {
 }
 
 
-@jax.custom_vjp
-def head_matmul(h_BTD: jax.Array, w_DV: jax.Array) -> jax.Array:
-    """h @ w (any leading axes): the vocab head, whose weight gradient is the step's largest matmul.
+def checkpoint_in_order(fn, policy):
+    """`jax.checkpoint(fn, policy=policy)` whose backward recomputes only once its output's cotangent exists.
 
-    The VJP is autodiff's, except that the weight gradient contracts a materialised h^T [D, B, T] with the
-    logit gradient. Left alone, XLA:CPU folds that transpose into the dot and copies the [B, T, V] gradient
-    transposed for a slower kernel instead (docs/kernels.md#vocabulary-head). Reverse mode only (no jvp).
+    A plain checkpoint's recomputation depends on the saved inputs alone, so XLA may schedule every unrolled
+    layer's recomputed forward at the start of the backward pass, all live at once (remat in name only;
+    the layer scan is immune: its loop runs one layer at a time). Tying the residuals to the cotangent with
+    an optimization barrier orders each layer's recomputation after the layers above it.
     """
-    return h_BTD @ w_DV
+    checkpointed = jax.checkpoint(fn, policy=policy)
 
+    @jax.custom_vjp
+    def call(*args):
+        return checkpointed(*args)
 
-def _head_matmul_fwd(h_BTD, w_DV):
-    return h_BTD @ w_DV, (h_BTD, w_DV)
+    def fwd(*args):
+        return jax.vjp(checkpointed, *args)    # residuals: the vjp closure (inputs + what the policy saves)
 
+    def bwd(vjp_fn, g):
+        anchor = 0.0 * jnp.ravel(jax.tree.leaves(g)[0])[0].astype(jnp.float32)  # 0, but only once g exists
+        tie = lambda r: r + anchor.astype(r.dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r
+        return jax.tree.map(tie, vjp_fn)(g)
 
-def _head_matmul_bwd(res, g_BTV):
-    h_BTD, w_DV = res
-    h_DBT = jax.lax.optimization_barrier(jnp.moveaxis(h_BTD, -1, 0))  # the barrier keeps the transpose a copy
-    lead = tuple(range(h_BTD.ndim - 1))
-    dw_DV = jax.lax.dot_general(h_DBT, g_BTV, ((tuple(a + 1 for a in lead), lead), ((), ())))
-    return g_BTV @ w_DV.T, dw_DV
-
-
-head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+    call.defvjp(fwd, bwd)
+    return call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +109,7 @@ class Ling3Config:
     remat_policy: str = "nothing_saveable"   # with remat: see REMAT_POLICIES
     scan_layers: bool = True                 # one scan over the MoE layers (compile time flat in depth)
     tie_embeddings: bool = False
+    vocab_chunk_size: int = 0               # head + cross-entropy per this many vocabulary columns; 0 = whole
     kda: KDAConfig = KDAConfig()
     mla: MLAConfig = MLAConfig()
     moe: MoEConfig = MoEConfig()
@@ -118,6 +121,8 @@ class Ling3Config:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if not 0 <= self.first_dense_layers <= self.num_layers:
             raise ValueError(f"first_dense_layers must lie in [0, num_layers={self.num_layers}]; got {self.first_dense_layers}")
+        if self.vocab_chunk_size < 0:
+            raise ValueError(f"vocab_chunk_size must be >= 0 (0 = the whole vocabulary at once); got {self.vocab_chunk_size}")
         if self.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers must be >= 0; got {self.mtp_num_layers}")
         if self.attention_impl not in ATTENTION_CHOICES:
@@ -158,10 +163,19 @@ class Ling3Config:
 
 @struct.dataclass
 class Ling3Output:
-    logits_BTV: jax.Array          # fp32 (or float64) [B, T, V]: position t predicts targets[t]
-    mtp_logits: list               # per MTP depth d, like logits_BTV: position t predicts targets[t + 1 + d]
+    head: LMHead                   # main head, unevaluated (models/head.py): position t predicts targets[t]
+    mtp_heads: list                # per MTP depth d, an LMHead: position t predicts targets[t + 1 + d]
     moe_aux: dict                  # router_z_loss [L_moe], load_counts [L_moe, E], num_tokens [L_moe]
     hidden_BTD: jax.Array          # final hidden state before the final norm
+
+    @property
+    def logits_BTV(self) -> jax.Array:
+        """fp32 [B, T, V] logits of the main head (materialised; the loss reads `head` instead)."""
+        return self.head.logits()
+
+    @property
+    def mtp_logits(self) -> list:
+        return [h.logits() for h in self.mtp_heads]
 
 
 class Ling3(nnx.Module):
@@ -196,14 +210,24 @@ class Ling3(nnx.Module):
         located = [self.layer_parts(i)["mlp"] for i, (_, ffn) in enumerate(self.cfg.layer_kinds()) if ffn == "moe"]
         return located + [(m.block.mlp, ()) for m in self.mtp_layers if m.block.ffn == "moe"]
 
-    def logits(self, h_BTD: jax.Array) -> jax.Array:
-        """Final norm, then fp32 logits (fp32 weights and product: softmax over a large vocab needs it; float64
-        for a float64 model)."""
+    def embed(self, inputs_BT: jax.Array) -> jax.Array:
+        """Token embeddings [B, T, D] in the compute dtype. Under a layout the table is first gathered over its
+        model width (an FSDP gather), so each device looks up its own rows' tokens."""
+        table_VD = self.embed_tokens.embedding[...].astype(self.embed_tokens.dtype)
+        return jnp.take(constrain(table_VD, ("vocab", None)), inputs_BT, axis=0)
+
+    def head(self, h_BTD: jax.Array) -> LMHead:
+        """Final norm, then the unevaluated fp32 head (fp32 weights and product: softmax over a large vocab needs
+        it; float64 for a float64 model); its cross-entropy runs per `vocab_chunk_size` columns when that is set."""
         h = self.norm(h_BTD)
         h = h.astype(at_least_fp32(h.dtype))
-        if self.cfg.tie_embeddings:
-            return head_matmul(h, self.embed_tokens.embedding[...].astype(h.dtype).T)
-        return head_matmul(h, self.lm_head[...].astype(h.dtype))
+        if self.cfg.tie_embeddings:   # the [V, D] table itself: chunks slice its rows, nothing is transposed
+            return LMHead(h, self.embed_tokens.embedding[...].astype(h.dtype), 0, self.cfg.vocab_chunk_size)
+        return LMHead(h, self.lm_head[...].astype(h.dtype), 1, self.cfg.vocab_chunk_size)
+
+    def logits(self, h_BTD: jax.Array) -> jax.Array:
+        """fp32 [B, T, V] logits of a final hidden state (the head, materialised)."""
+        return self.head(h_BTD).logits()
 
     def __call__(self, inputs_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
                  positions_BT: jax.Array | None = None, *, input_embeddings_BTD: jax.Array | None = None) -> Ling3Output:
@@ -224,26 +248,33 @@ class Ling3(nnx.Module):
             # write-back fails on variables made at an outer trace level (a model merged under jit, then grad)
             graphdef, state = nnx.split(layer)
             call = lambda state, *args: nnx.merge(graphdef, state)(*args)
-            return jax.checkpoint(call, policy=policy)(state, *args)
+            return checkpoint_in_order(call, policy)(state, *args)
 
-        emb_BTD = self.embed_tokens(inputs_BT) if input_embeddings_BTD is None else input_embeddings_BTD
+        # named scopes (embed, layer<i>, stack, head, mtp<d>) label the compiled program's ops (lingpack.hlo)
+        with jax.named_scope("embed"):
+            emb_BTD = self.embed(inputs_BT) if input_embeddings_BTD is None else input_embeddings_BTD
+            emb_BTD = constrain(emb_BTD, BTD)  # rows stay split from here to the loss (parallel/layout.py)
         x = emb_BTD
         aux = []  # per-layer MoE statistics, each with a leading layer axis
-        for layer in self.layers:
-            x, layer_aux = run(layer, x, segment_ids_BT, positions_BT)
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer{i}"):
+                x, layer_aux = run(layer, x, segment_ids_BT, positions_BT)
             aux.append(None if layer_aux is None else jax.tree.map(lambda a: a[None], layer_aux))
         if self.stack is not None:
-            x, stacked_aux = self.stack(x, segment_ids_BT, positions_BT, policy)
+            with jax.named_scope("stack"):
+                x, stacked_aux = self.stack(x, segment_ids_BT, positions_BT, policy)
             aux.append(stacked_aux)
-        logits = self.logits(x)
+        with jax.named_scope("head"):
+            head = self.head(x)
 
-        mtp_logits, h, rolled_BTD = [], x, emb_BTD
-        for mtp_layer in self.mtp_layers:
-            rolled_BTD = roll_and_mask_by_segment(rolled_BTD, segment_ids_BT)  # embedding of token t + 1 + d
-            h, layer_aux = run(mtp_layer, h, rolled_BTD, segment_ids_BT, positions_BT)
+        mtp_heads, h, rolled_BTD = [], x, emb_BTD
+        for d, mtp_layer in enumerate(self.mtp_layers):
+            with jax.named_scope(f"mtp{d}"):
+                rolled_BTD = roll_and_mask_by_segment(rolled_BTD, segment_ids_BT)  # embedding of token t + 1 + d
+                h, layer_aux = run(mtp_layer, h, rolled_BTD, segment_ids_BT, positions_BT)
+                mtp_heads.append(self.head(h))
             aux.append(None if layer_aux is None else jax.tree.map(lambda a: a[None], layer_aux))
-            mtp_logits.append(self.logits(h))
-        return Ling3Output(logits, mtp_logits, _stack_aux(aux, self.cfg.moe.num_experts), x)
+        return Ling3Output(head, mtp_heads, _stack_aux(aux, self.cfg.moe.num_experts), x)
 
 
 def _stack_aux(aux: list, num_experts: int) -> dict:

@@ -20,6 +20,7 @@ carries each token's chosen experts, router logits and the bias used (the parity
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from lingpack import backend
 from lingpack.models.layers import DEFAULT_INIT, MLP, partitioned
 from lingpack.parallel.context import current, dividing_axes
+from lingpack.parallel.layout import axis_tuple, constrain, current_layout
 from lingpack.precision import at_least_fp32
 
 
@@ -69,26 +71,66 @@ TILE_ROWS = 32  # rows per tile of `tiled_grouped_matmul`: at most E * (TILE_ROW
 
 
 def tiled_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: jax.Array, *, tile: int = TILE_ROWS,
-                         preferred_element_type=None) -> jax.Array:
+                         block: int | None = None, preferred_element_type=None) -> jax.Array:
     """`ragged_dot` semantics (rows sorted by group; group e's rows times w[e]) as tiles of one expert each.
 
-    Each group's rows are padded to whole tiles of `tile` rows (filler rows are zero and dropped again),
-    so one batched matmul [tiles, tile, D] x [tiles, D, I] does the work with per-tile expert weights.
-    The tile count is static: ceil(M / tile) + E bounds sum_e ceil(size_e / tile).
+    Each group's rows are padded to whole tiles of `tile` rows (filler rows are zero and dropped again);
+    the tile count is static: ceil(M / tile) + E bounds sum_e ceil(size_e / tile). Tiles run `block` at a
+    time (default E) as one batched matmul [block, tile, D] x [block, D, I] with per-tile expert weights, in
+    a loop: a tile's weights are gathered for its block only (and again in the backward), so the gathered
+    copies never exceed E experts' worth, whatever M (all tiles at once held M / tile copies of a weight).
     """
     M, D = x_MD.shape
     E = w_EDI.shape[0]
-    n_tiles = -(-M // tile) + E
+    block = E if block is None else block
+    n_blocks = -(-(-(-M // tile) + E) // block)
+    n_tiles = n_blocks * block
     padded_E = (group_sizes_E + tile - 1) // tile * tile
     padded_start_E = jnp.cumsum(padded_E) - padded_E
     start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
     expert_M = jnp.repeat(jnp.arange(E), group_sizes_E, total_repeat_length=M)
     dest_M = padded_start_E[expert_M] + jnp.arange(M) - start_E[expert_M]
-    x_tiles = jnp.zeros((n_tiles * tile, D), x_MD.dtype).at[dest_M].set(x_MD).reshape(n_tiles, tile, D)
+    x_tiles = jnp.zeros((n_tiles * tile, D), x_MD.dtype).at[dest_M].set(x_MD).reshape(n_blocks, block, tile, D)
     # tile t belongs to the expert whose padded range holds row t * tile; unused tiles (zero rows) take E - 1
     tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(n_tiles) * tile, side="right"), E - 1)
-    y_tiles = jnp.einsum("tsd,tdi->tsi", x_tiles, w_EDI[tile_expert], preferred_element_type=preferred_element_type)
+
+    @jax.checkpoint   # the backward gathers the block's weights again instead of saving every block's copy
+    def one_block(x_btd, experts_b):
+        return jnp.einsum("btd,bdi->bti", x_btd, w_EDI[experts_b], preferred_element_type=preferred_element_type)
+
+    y_tiles = jax.lax.map(lambda args: one_block(*args), (x_tiles, tile_expert.reshape(n_blocks, block)))
     return y_tiles.reshape(n_tiles * tile, -1)[dest_M]
+
+
+def _token_mapping(B: int, T: int):
+    """(mesh, PartitionSpec of [B, T, ...] token arrays, layout or None) for a sharded dispatch; None on one device."""
+    layout, cp = current_layout(), current()
+    if layout is not None:
+        return layout.mesh, layout.spec(("batch", "length"), (B, T)), layout
+    if cp is not None:   # context parallelism traced without a layout (its own tests): rows over cp.batch_axes
+        return cp.mesh, P(dividing_axes(cp.mesh, cp.batch_axes, B), cp.axis), None
+    return None
+
+
+def _expert_weight_specs(layout, tokens: P, shapes) -> tuple[list[P], tuple, tuple]:
+    """(in_specs of wi_gate [E, D, I], wi_up, wo [E, I, D]; mesh axes to all-gather E over; axes to psum over).
+
+    Experts enter split over the `exp` rule's axes (gathered inside: the place expert parallelism would send
+    tokens instead), expert widths over the `mlp` rule's (each device computes its slice of I, outputs are
+    summed), unless those axes also split the tokens; the model width D enters whole (an FSDP gather).
+    """
+    if layout is None:
+        return [P()] * 3, (), ()
+    token_axes = {a for entry in tokens for a in axis_tuple(entry)}
+    E, _, I = shapes[0]
+    spec = layout.spec(("exp", "mlp"), (E, I))
+    gather, reduce = (tuple(a for a in axis_tuple(entry) if a not in token_axes) for entry in spec)
+    if math.prod(layout.mesh.shape[a] for a in gather) != math.prod(layout.mesh.shape[a] for a in axis_tuple(spec[0])):
+        gather = ()   # part of the expert axis also splits the tokens: enter whole
+    if math.prod(layout.mesh.shape[a] for a in reduce) != math.prod(layout.mesh.shape[a] for a in axis_tuple(spec[1])):
+        reduce = ()
+    e, i = (axes[0] if len(axes) == 1 else (axes or None) for axes in (gather, reduce))
+    return [P(e, None, i), P(e, None, i), P(e, i, None)], gather, reduce
 
 
 class ExpertBias(nnx.Variable):
@@ -129,20 +171,38 @@ class MoE(nnx.Module):
         self.shared_experts = (MLP(D, I * cfg.num_shared_experts, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                if cfg.num_shared_experts else None)
 
-    def experts(self, x_BTD: jax.Array, idx_BTK: jax.Array, weights_BTK: jax.Array) -> jax.Array:
-        """Dropless dispatch of every token; under context parallelism each device dispatches its own tokens
-        (a global sort over a split token axis would gather every token onto every device)."""
-        experts_w = (self.wi_gate[...], self.wi_up[...], self.wo[...])
-        local = lambda x, idx, w, *experts_w: self._dispatch(
-            x.reshape(-1, x.shape[-1]), idx.reshape(-1, idx.shape[-1]), w.reshape(-1, w.shape[-1]),
-            *experts_w).reshape(x.shape)
-        cp = current()
-        if cp is None:
-            return local(x_BTD, idx_BTK, weights_BTK, *experts_w)
-        tokens = P(dividing_axes(cp.mesh, cp.batch_axes, x_BTD.shape[0]), cp.axis)
-        # expert weights enter replicated (gathered if sharded); their gradients are summed over devices
-        return jax.shard_map(local, mesh=cp.mesh, in_specs=(tokens,) * 3 + (P(),) * 3, out_specs=tokens,
-                             check_vma=False)(x_BTD, idx_BTK, weights_BTK, *experts_w)
+    def routed(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(routed experts' output [B, T, D], chosen experts int32 [B, T, k], fp32 router logits [B, T, E]).
+
+        On a mesh (an activation layout, or context parallelism alone) each device routes and dispatches its
+        own tokens inside a shard_map over the token axes: a global sort over split rows would gather every
+        token onto every device (and XLA does not partition a top-k over its rows either).
+        """
+        weights = (self.router[...], self.expert_bias[...], self.wi_gate[...], self.wi_up[...], self.wo[...])
+        mapped = _token_mapping(*x_BTD.shape[:2])
+        if mapped is None:
+            return self._route_and_dispatch(x_BTD, *weights)
+        mesh, tokens, layout = mapped
+        expert_specs, gather, reduce = _expert_weight_specs(layout, tokens, [w.shape for w in weights[2:]])
+
+        def local(x, router, bias, *experts_w):
+            # experts split over `gather` axes (`exp`) come back whole here (their gradient is reduce-scattered):
+            # the point where expert parallelism would send tokens to the experts' devices instead
+            experts_w = [jax.lax.all_gather(e, gather, axis=0, tiled=True) if gather else e for e in experts_w]
+            y, idx, logits = self._route_and_dispatch(x, router, bias, *experts_w)
+            return (jax.lax.psum(y, reduce) if reduce else y), idx, logits   # widths split over `reduce`: partial sums
+
+        # router and bias enter replicated (small); their gradients are summed over devices by the transpose
+        return jax.shard_map(local, mesh=mesh, in_specs=(tokens, P(), P(), *expert_specs), out_specs=(tokens,) * 3,
+                             check_vma=False)(x_BTD, *weights)
+
+    def _route_and_dispatch(self, x_BTD, router_DE, bias_E, wi_gate, wi_up, wo):
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        logits_NE = x_ND.astype(self.routing_dtype) @ router_DE  # fp32 routing (see the router's comment)
+        idx_NK, weights_NK = route(logits_NE, bias_E, self.cfg)
+        y_ND = self._dispatch(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo)
+        return y_ND.reshape(B, T, D), idx_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1)
 
     def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo) -> jax.Array:
         """Sort assignments by expert, grouped matmuls, weighted scatter-add back."""
@@ -164,22 +224,22 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
         B, T, D = x_BTD.shape
-        x_ND = x_BTD.reshape(B * T, D)
-        logits_NE = x_ND.astype(self.routing_dtype) @ self.router[...]  # fp32 routing (see the router's comment)
-        idx_NK, weights_NK = route(logits_NE, self.expert_bias[...], self.cfg)
-        y_ND = self.experts(x_BTD, idx_NK.reshape(B, T, -1), weights_NK.reshape(B, T, -1)).reshape(B * T, D)
+        y_BTD, idx_BTK, logits_BTE = self.routed(x_BTD)
         if self.shared_experts is not None:
-            y_ND = y_ND + self.shared_experts(x_ND)
-        real_N = (jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0).reshape(-1)
-        load_E = jnp.sum(jax.nn.one_hot(idx_NK, self.cfg.num_experts) * real_N[:, None, None], axis=(0, 1))
-        z_N = jax.nn.logsumexp(logits_NE, axis=-1) ** 2
-        aux = {"router_z_loss": jnp.sum(jnp.where(real_N, z_N, 0.0)),
+            y_BTD = y_BTD + self.shared_experts(x_BTD)
+        real_BT = jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0
+        # statistics: sums over the [B, T] token axes, kept split (per-device sums, then one small all-reduce)
+        hits_BTKE = constrain(jax.nn.one_hot(idx_BTK, self.cfg.num_experts), ("batch", "length", None, None))
+        load_E = jnp.sum(hits_BTKE * real_BT[..., None, None], axis=(0, 1, 2))
+        z_BT = jax.nn.logsumexp(logits_BTE, axis=-1) ** 2
+        idx_NK, logits_NE = idx_BTK.reshape(B * T, -1), logits_BTE.reshape(B * T, -1)
+        aux = {"router_z_loss": jnp.sum(jnp.where(real_BT, z_BT, 0.0)),
                "load_counts": jax.lax.stop_gradient(load_E),
-               "num_tokens": jnp.sum(real_N).astype(logits_NE.dtype),
+               "num_tokens": jnp.sum(real_BT).astype(logits_BTE.dtype),
                # the routing trace (parity/routing.py); unused outputs cost nothing under jit
                "expert_ids": idx_NK, "router_logits": jax.lax.stop_gradient(logits_NE),
                "expert_bias": self.expert_bias[...]}
-        return y_ND.reshape(B, T, D), aux
+        return y_BTD, aux
 
 
 def update_expert_bias(model, load_counts, rate: float) -> None:

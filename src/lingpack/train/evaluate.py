@@ -25,6 +25,7 @@ from lingpack import distributed
 from lingpack.data.config import DataConfig
 from lingpack.errors import ConfigError
 from lingpack.parallel.context import context_parallel
+from lingpack.parallel.layout import Layout, activation_layout
 from lingpack.parallel.reorder import reorder_batch
 from lingpack.train import loss as loss_lib
 from lingpack.train import sharding as shard_lib
@@ -67,7 +68,7 @@ def make_eval_step(model_def, loss_cfg: LossConfig, *, micro_batches: int, mesh=
 
         def body(acc, mb):
             out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
-            _, stats = loss_lib.micro_batch_loss(out.logits_BTV, list(out.mtp_logits), out.moe_aux, mb, loss_cfg,
+            _, stats = loss_lib.micro_batch_loss(out.head, list(out.mtp_heads), out.moe_aux, mb, loss_cfg,
                                                  totals, num_micro_batches=M, moe_z_loss_weight=moe_z_weight)
             stats = {k: stats[k] for k in STAT_KEYS}
             return stats if acc is None else jax.tree.map(jnp.add, acc, stats), None
@@ -77,8 +78,10 @@ def make_eval_step(model_def, loss_cfg: LossConfig, *, micro_batches: int, mesh=
             first, _ = jax.lax.scan(body, first, jax.tree.map(lambda v: v[1:], micro))
         return dict(first, **dropped)
 
+    layout = Layout(mesh, rules) if mesh is not None else None
+
     def traced(params, rest, batch):
-        with context_parallel(context):
+        with context_parallel(context), activation_layout(layout):   # the training step's activation layout
             return step(params, rest, batch)
 
     return jax.jit(traced)

@@ -32,6 +32,7 @@ import typing
 import jax
 import jax.numpy as jnp
 
+from lingpack.models.head import token_xent, xent  # noqa: F401  (token_xent re-exported)
 from lingpack.models.mtp import mtp_targets
 from lingpack.precision import at_least_fp32
 from lingpack.train.configs import LossConfig
@@ -48,14 +49,6 @@ def loss_mask(batch: dict) -> jax.Array:
     """fp32 [B, T]: 1 where the target is trained (`targets_segmentation` is the mask written as ids). A format:
     0/1 is exact in fp32 and promotes to the cross-entropy's dtype."""
     return (batch["targets_segmentation"] != 0).astype(jnp.float32)
-
-
-def token_xent(logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(cross-entropy [B,T], logsumexp [B,T]), in fp32 (or float64): log-softmax over a large vocab needs it."""
-    logits = logits_BTV.astype(at_least_fp32(logits_BTV.dtype))
-    lse_BT = jax.nn.logsumexp(logits, axis=-1)
-    target_logit_BT = jnp.take_along_axis(logits, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return lse_BT - target_logit_BT, lse_BT
 
 
 def group_sums(x_BT: jax.Array, groups: int) -> jax.Array:
@@ -91,12 +84,14 @@ def micro_batch_loss(logits_BTV: jax.Array, mtp_logits: list, moe_aux: dict | No
                      ) -> tuple[jax.Array, dict]:
     """(this micro-batch's share of the step objective, additive statistics) for one micro-batch.
 
-    Summing the first output over the step's micro-batches gives the objective (the module docstring);
-    the statistics add up across micro-batches and go to `metrics`.
+    `logits_BTV` and each of `mtp_logits`: fp32 [B, T, V] logits, or the model's unevaluated `LMHead`
+    (models/head.py: its cross-entropy may run one vocabulary chunk at a time). Summing the first output
+    over the step's micro-batches gives the objective (the module docstring); the statistics add up across
+    micro-batches and go to `metrics`.
     """
     M, G = num_micro_batches, cfg.megatron_dp_size
     mask_BT = loss_mask(batch)
-    xent_BT, lse_BT = token_xent(logits_BTV, batch["targets"])
+    xent_BT, lse_BT = xent(logits_BTV, batch["targets"])
     lm_sum_G = group_sums(xent_BT * mask_BT, G)
     count_G = group_sums(mask_BT, G)
     train_sum_G = lm_sum_G
@@ -105,7 +100,7 @@ def micro_batch_loss(logits_BTV: jax.Array, mtp_logits: list, moe_aux: dict | No
 
     mtp_sum_DG, mtp_count_DG = [], []
     for (tgt_BT, mtp_mask_BT), mtp_logits_BTV in zip(mtp_masks(batch, len(mtp_logits)), mtp_logits):
-        mtp_xent_BT, _ = token_xent(mtp_logits_BTV, tgt_BT)
+        mtp_xent_BT, _ = xent(mtp_logits_BTV, tgt_BT)
         mtp_sum_DG.append(group_sums(mtp_xent_BT * mtp_mask_BT, G))
         mtp_count_DG.append(group_sums(mtp_mask_BT, G))
     D = len(mtp_logits)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from lingpack.parallel.layout import axis_tuple, logical_to_mesh  # noqa: F401  (logical_to_mesh re-exported)
 from lingpack.train.configs import MESH_AXES, ParallelConfig
 
 
@@ -57,31 +58,6 @@ def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES)
 
 
-def _as_tuple(axes) -> tuple:
-    if axes is None:
-        return ()
-    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-
-
-def logical_to_mesh(logical: tuple, shape: tuple[int, ...], mesh: Mesh, rules, dropped: list | None = None) -> P:
-    """PartitionSpec over mesh axes for one array with logical axis names `logical` and `shape`."""
-    table = dict(rules)
-    used, spec = set(), []
-    for dim, name in enumerate(tuple(logical) + (None,) * (len(shape) - len(logical))):
-        if name is not None and name not in table:
-            raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(table)}. Add it to "
-                             "ParallelConfig.logical_axis_rules")
-        axes = tuple(a for a in _as_tuple(table.get(name)) if mesh.shape[a] > 1)
-        size = math.prod(mesh.shape[a] for a in axes)
-        if axes and (used & set(axes) or shape[dim] % size):
-            if dropped is not None:
-                dropped.append((name, shape[dim], axes))
-            axes = ()
-        used |= set(axes)
-        spec.append(axes[0] if len(axes) == 1 else (axes or None))
-    return P(*spec)
-
-
 def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules, dropped: list | None = None):
     """NamedShardings for `abstract_tree` (arrays / ShapeDtypeStructs) from a same-shaped tree of logical specs."""
     return jax.tree.map(lambda x, logical: NamedSharding(mesh, logical_to_mesh(tuple(logical or ()), x.shape, mesh,
@@ -106,14 +82,14 @@ def batch_spec(mesh: Mesh, rules) -> P:
     table = dict(rules)
     spec = []
     for name in ("batch", "length"):
-        axes = tuple(a for a in _as_tuple(table.get(name)) if mesh.shape[a] > 1)
+        axes = tuple(a for a in axis_tuple(table.get(name)) if mesh.shape[a] > 1)
         spec.append(axes[0] if len(axes) == 1 else (axes or None))
     return P(*spec)
 
 
 def batch_divisor(mesh: Mesh, rules) -> int:
     """The number of row shards: micro-batch rows must be a multiple of it."""
-    return math.prod(mesh.shape[a] for a in _as_tuple(dict(rules).get("batch")))
+    return math.prod(mesh.shape[a] for a in axis_tuple(dict(rules).get("batch")))
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:

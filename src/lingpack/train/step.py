@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from lingpack.kernels.kda import api as kda_api
 from lingpack.kernels.kda.segments import fits_max_segs, packing_stats, segment_starts
 from lingpack.parallel.context import ContextParallel, context_parallel
+from lingpack.parallel.layout import Layout, activation_layout
 from lingpack.parallel.reorder import restore_order, zigzag_permutation
 from lingpack.precision import as_dtype, at_least_fp32
 from lingpack.train import loss as loss_lib
@@ -195,7 +196,8 @@ def accumulate_gradients(model_def: ModelDef, loss_cfg: LossConfig, params: dict
     `trace_routing`: statistics also hold `routing`, each micro-batch's MoE routing exactly as the step
     used it (ROUTING_KEYS, stacked [M, L_moe, ...]; see parity/routing.py).
     """
-    with context_parallel(context):
+    layout = Layout(mesh, rules) if mesh is not None else None
+    with context_parallel(context), activation_layout(layout):
         return _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, rules, params_shardings,
                            context, trace_routing)
 
@@ -219,7 +221,7 @@ def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, r
         def objective(params):
             model = model_def.merge(params, rest)
             out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
-            obj, stats = loss_lib.micro_batch_loss(out.logits_BTV, list(out.mtp_logits), out.moe_aux, mb, loss_cfg,
+            obj, stats = loss_lib.micro_batch_loss(out.head, list(out.mtp_heads), out.moe_aux, mb, loss_cfg,
                                                    totals, num_micro_batches=M, moe_z_loss_weight=moe_z_weight)
             stats["load_counts"] = out.moe_aux["load_counts"].astype(jnp.float32)  # counts: a format, exact in fp32
             if trace_routing and not set(ROUTING_KEYS) <= set(out.moe_aux):
@@ -270,8 +272,17 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
             params_shardings=None if shardings is None else shardings.params, context=context,
             trace_routing=trace_routing)
         grad_norm = global_norm(grads)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        loss_metrics = loss_lib.metrics(stats, loss_cfg, num_micro_batches=M)
+        finite = jnp.isfinite(loss_metrics["loss"]) & jnp.isfinite(grad_norm)
+        applied = finite & (stats["dropped_documents"] == 0) if halt_on_overflow else finite
+
+        def update(params, opt_state):
+            updates, new_opt = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt
+
+        # a bad step leaves params and moments unchanged: a cond, not where(applied, new, old) per leaf, so the
+        # update's elementwise fusions may overwrite the donated buffers (the where kept old and new of each alive)
+        new_params, new_opt = jax.lax.cond(applied, update, lambda p, o: (p, o), state.params, state.opt_state)
         new_rest = state.rest
         if bias_rate > 0 and stats["load_counts"].size:
             from lingpack.models.moe import update_expert_bias
@@ -279,13 +290,9 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
             update_expert_bias(model, stats["load_counts"], bias_rate)  # global-batch loads, outside the gradient
             new_rest = nnx.split(model, nnx.Param, ...)[2].to_pure_dict()
 
-        loss_metrics = loss_lib.metrics(stats, loss_cfg, num_micro_batches=M)
-        finite = jnp.isfinite(loss_metrics["loss"]) & jnp.isfinite(grad_norm)
-        applied = finite & (stats["dropped_documents"] == 0) if halt_on_overflow else finite
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)  # bad step: no change
         new_state = TrainState(step=state.step + 1, updates=state.updates + applied.astype(jnp.int32),
-                               params=keep(new_params, state.params), rest=keep(new_rest, state.rest),
-                               opt_state=keep(new_opt, state.opt_state),
+                               params=new_params, rest=keep(new_rest, state.rest), opt_state=new_opt,
                                rng=keep(jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)),
                                         state.rng))
         metrics = dict(loss_metrics, grad_norm=grad_norm, lr=lr_fn(state.updates), finite=finite.astype(jnp.int32),

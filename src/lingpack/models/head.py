@@ -1,0 +1,222 @@
+"""The output head and its cross-entropy: whole-vocabulary logits, or one vocabulary chunk at a time.
+
+The model returns each head (the main one and each MTP depth's) unevaluated, as an `LMHead`: the
+final-normed hidden state and the head weight, both fp32 (float64 for a float64 model). The loss asks it for `xent(targets)`:
+
+* `chunk = 0`: `logits()` ([B, T, V] fp32 through `head_matmul`), then logsumexp and the target's logit.
+* `chunk = C`: one scan over ceil(V / C) column chunks with an online logsumexp (running max m, running
+  sum s of exp(logit - m)); the custom VJP recomputes each chunk's logits from the saved (h, w, lse) and
+  forms dlogits = (g_xent + g_lse) softmax - g_xent onehot(target) chunk by chunk. Forward and backward
+  hold [B*T, C] logits at a time, never [B, T, V]: at V=157184 the whole-vocabulary logits and their
+  gradient are the largest arrays of a step. The last chunk starts at V - C when C does not divide V and
+  skips the columns its predecessor counted, so no weight is padded or copied.
+
+Under an activation layout (parallel/layout.py) the chunked cross-entropy runs per device in a shard_map:
+rows over the token axes, the vocabulary over the `vocab` rule's axes (Megatron's vocab-parallel
+cross-entropy: per-device max, sum and target logit combined by pmax / psum; only [B, T] statistics
+cross devices).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import PartitionSpec as P
+
+from lingpack.parallel.layout import axis_tuple, constrain, current_layout
+from lingpack.precision import at_least_fp32
+
+LOGITS = ("batch", "length", "vocab")
+
+
+@jax.custom_vjp
+def head_matmul(h_BTD: jax.Array, w_DV: jax.Array) -> jax.Array:
+    """h @ w (any leading axes): the vocab head, whose weight gradient is the step's largest matmul.
+
+    The VJP is autodiff's, except that the weight gradient contracts a materialised h^T [D, B, T] with the
+    logit gradient. Left alone, XLA:CPU folds that transpose into the dot and copies the [B, T, V] gradient
+    transposed for a slower kernel instead (docs/kernels.md#vocabulary-head). Reverse mode only (no jvp).
+    """
+    return h_BTD @ w_DV
+
+
+def _head_matmul_fwd(h_BTD, w_DV):
+    return h_BTD @ w_DV, (h_BTD, w_DV)
+
+
+def _head_matmul_bwd(res, g_BTV):
+    h_BTD, w_DV = res
+    h_DBT = jax.lax.optimization_barrier(jnp.moveaxis(h_BTD, -1, 0))  # the barrier keeps the transpose a copy
+    lead = tuple(range(h_BTD.ndim - 1))
+    dw_DV = jax.lax.dot_general(h_DBT, g_BTV, ((tuple(a + 1 for a in lead), lead), ((), ())))
+    return g_BTV @ w_DV.T, dw_DV
+
+
+head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+
+
+def pick(values_BTV: jax.Array, index_BT: jax.Array, offset: int | jax.Array = 0) -> jax.Array:
+    """values[b, t, index[b, t] - offset], 0 where the index falls outside [offset, offset + V): a masked sum, not
+    a gather, so it stays local to each device whatever the rows' and the vocabulary's sharding (exact: one term)."""
+    columns = jnp.arange(values_BTV.shape[-1], dtype=jnp.int32) + offset
+    hit = columns == index_BT[..., None].astype(jnp.int32)
+    return jnp.sum(jnp.where(hit, values_BTV, 0.0), axis=-1)
+
+
+def _nan_unless_in_vocab(target_logit, targets, vocab: int):
+    """A target outside [0, V) gives a NaN logit (as a gather's out-of-bounds fill), so the step's finiteness
+    guard sees bad data instead of a finite loss that trained on nothing."""
+    return jnp.where((targets >= 0) & (targets < vocab), target_logit, jnp.nan)
+
+
+def token_xent(logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cross-entropy [B,T], logsumexp [B,T]), in fp32 (or float64): log-softmax over a large vocab needs it."""
+    logits = logits_BTV.astype(at_least_fp32(logits_BTV.dtype))
+    lse_BT = jax.nn.logsumexp(logits, axis=-1)
+    target_logit_BT = _nan_unless_in_vocab(pick(logits, targets_BT), targets_BT, logits.shape[-1])
+    return lse_BT - target_logit_BT, lse_BT
+
+
+# ------------------------------------------------------------------------------------------ vocabulary chunks
+
+def _chunk(h_ND, w, i, chunk: int, vocab_axis: int):
+    """(logits [N, C] of chunk i, its first column, bool [C]: columns not counted by an earlier chunk)."""
+    V = w.shape[vocab_axis]
+    start = jnp.minimum(i * chunk, V - chunk)
+    w_c = jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=vocab_axis)
+    logits = h_ND @ w_c if vocab_axis == 1 else h_ND @ w_c.T
+    return logits, start, start + jnp.arange(chunk) >= i * chunk
+
+
+def _num_chunks(w, chunk: int, vocab_axis: int) -> int:
+    return -(-w.shape[vocab_axis] // chunk)
+
+
+def _offset(axes: tuple, local_vocab: int):
+    """Global column of this device's first vocabulary column (0 when the vocabulary is not split)."""
+    return jax.lax.axis_index(axes) * local_vocab if axes else 0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _chunked_xent(h_ND, w, targets_N, chunk: int, vocab_axis: int, axes: tuple, vocab: int):
+    return _chunked_xent_fwd(h_ND, w, targets_N, chunk, vocab_axis, axes, vocab)[0]
+
+
+def _chunked_xent_fwd(h_ND, w, targets_N, chunk, vocab_axis, axes, vocab):
+    N = h_ND.shape[0]
+    offset = _offset(axes, w.shape[vocab_axis])
+
+    def body(carry, i):
+        m_N, s_N, target_N = carry
+        logits, start, valid = _chunk(h_ND, w, i, chunk, vocab_axis)
+        masked = jnp.where(valid, logits, -jnp.inf)          # exp(-inf - m) = 0: a column counted once
+        m_new = jnp.maximum(m_N, jnp.max(masked, axis=-1))    # chunk 0 is all valid: m is finite from then on
+        s_N = s_N * jnp.exp(m_N - m_new) + jnp.sum(jnp.exp(masked - m_new[:, None]), axis=-1)
+        target_N = target_N + pick(jnp.where(valid, logits, 0.0), targets_N, offset + start)
+        return (m_new, s_N, target_N), None
+
+    acc = h_ND.dtype   # the head's dtype (fp32, or float64): the statistics accumulate in it
+    init = (jnp.full((N,), -jnp.inf, acc), jnp.zeros((N,), acc), jnp.zeros((N,), acc))
+    (m_N, s_N, target_N), _ = jax.lax.scan(body, init, jnp.arange(_num_chunks(w, chunk, vocab_axis)))
+    if axes:   # the vocabulary split over devices: combine the per-device max, sum and target logit
+        m_all = jax.lax.pmax(m_N, axes)
+        s_N = jax.lax.psum(s_N * jnp.exp(m_N - m_all), axes)
+        m_N, target_N = m_all, jax.lax.psum(target_N, axes)
+    lse_N = m_N + jnp.log(s_N)
+    target_N = _nan_unless_in_vocab(target_N, targets_N, vocab)
+    return (lse_N - target_N, lse_N), (h_ND, w, targets_N, lse_N)
+
+
+def _chunked_xent_bwd(chunk, vocab_axis, axes, vocab, res, g):
+    h_ND, w, targets_N, lse_N = res
+    g_xent_N, g_lse_N = g
+    if axes:   # shard_map hands each vocabulary shard 1/n of a replicated output's cotangent: whole again
+        g_xent_N, g_lse_N = jax.lax.psum(g_xent_N, axes), jax.lax.psum(g_lse_N, axes)
+    offset = _offset(axes, w.shape[vocab_axis])
+    h_DN = jax.lax.optimization_barrier(h_ND.T)  # one materialised transpose for every chunk's weight gradient
+
+    def body(carry, i):
+        dh_ND, dw = carry
+        logits, start, valid = _chunk(h_ND, w, i, chunk, vocab_axis)
+        p = jnp.where(valid, jnp.exp(logits - lse_N[:, None]), 0.0)   # softmax of this chunk's columns
+        hit = (start + jnp.arange(chunk) + offset == targets_N[:, None]) & valid
+        g_logits = (g_xent_N + g_lse_N)[:, None] * p - jnp.where(hit, g_xent_N[:, None], 0.0)
+        w_c = jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=vocab_axis)
+        if vocab_axis == 1:
+            dh_ND = dh_ND + g_logits @ w_c.T
+            dw_c = h_DN @ g_logits
+        else:
+            dh_ND = dh_ND + g_logits @ w_c
+            dw_c = g_logits.T @ h_ND
+        # add, not overwrite: the last chunk may overlap its predecessor (its skipped columns add zeros)
+        dw = jax.lax.dynamic_update_slice_in_dim(
+            dw, jax.lax.dynamic_slice_in_dim(dw, start, chunk, axis=vocab_axis) + dw_c, start, axis=vocab_axis)
+        return (dh_ND, dw), None
+
+    init = (jnp.zeros(h_ND.shape, h_ND.dtype), jnp.zeros(w.shape, w.dtype))   # fp32 (float64) accumulators
+    (dh_ND, dw), _ = jax.lax.scan(body, init, jnp.arange(_num_chunks(w, chunk, vocab_axis)))
+    return dh_ND.astype(h_ND.dtype), dw.astype(w.dtype), None
+
+
+_chunked_xent.defvjp(_chunked_xent_fwd, _chunked_xent_bwd)
+
+
+def chunked_xent(h_BTD: jax.Array, w: jax.Array, targets_BT: jax.Array, *, chunk: int, vocab_axis: int = 1):
+    """(cross-entropy, logsumexp) [B, T] fp32 of the logits h @ w (w [D, V]; or h @ w.T for a [V, D] table,
+    `vocab_axis=0`), computed `chunk` vocabulary columns at a time (see the module docstring)."""
+    B, T, D = h_BTD.shape
+    V = w.shape[vocab_axis]
+    layout = current_layout()
+    if layout is None:
+        xent, lse = _chunked_xent(h_BTD.reshape(B * T, D), w, targets_BT.reshape(-1), min(chunk, V), vocab_axis,
+                                  (), V)
+        return xent.reshape(B, T), lse.reshape(B, T)
+    tokens = layout.spec(("batch", "length"), (B, T))
+    w_logical = ("vocab", None) if vocab_axis == 0 else (None, "vocab")
+    w_spec = layout.spec(w_logical, w.shape)           # the model width enters whole (an FSDP gather)
+    token_axes = {a for entry in tokens for a in axis_tuple(entry)}
+    axes = axis_tuple(w_spec[vocab_axis])
+    if token_axes & set(axes):   # a mesh axis splitting both rows and vocabulary: the vocabulary enters whole
+        w_spec, axes = P(), ()
+    local_vocab = V // math.prod(layout.mesh.shape[a] for a in axes)
+
+    def local(h, w, t):
+        b, t_len = t.shape
+        xent, lse = _chunked_xent(h.reshape(b * t_len, D), w, t.reshape(-1), min(chunk, local_vocab), vocab_axis,
+                                  axes, V)
+        return xent.reshape(b, t_len), lse.reshape(b, t_len)
+
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=(P(*tokens, None), w_spec, tokens),
+                         out_specs=(tokens, tokens), check_vma=False)(h_BTD, w, targets_BT)
+
+
+@struct.dataclass
+class LMHead:
+    """One output head, unevaluated: logits = h @ w, cross-entropy whole or per vocabulary chunk."""
+    h_BTD: jax.Array                                          # final-normed hidden state, fp32
+    w: jax.Array                                              # fp32 head weight [D, V], or a tied table [V, D]
+    vocab_axis: int = struct.field(pytree_node=False, default=1)
+    chunk: int = struct.field(pytree_node=False, default=0)   # vocabulary columns per chunk; 0 = whole
+
+    def logits(self) -> jax.Array:
+        """fp32 [B, T, V] logits (materialised: what `chunk` avoids)."""
+        w_DV = self.w if self.vocab_axis == 1 else self.w.T
+        return constrain(head_matmul(self.h_BTD, w_DV), LOGITS)
+
+    def xent(self, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(cross-entropy [B, T], logsumexp [B, T]), fp32, against `targets_BT`."""
+        with jax.named_scope("head_xent"):
+            if not self.chunk:
+                return token_xent(self.logits(), targets_BT)
+            return chunked_xent(self.h_BTD, self.w, targets_BT, chunk=self.chunk, vocab_axis=self.vocab_axis)
+
+
+def xent(logits_or_head, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`token_xent` of [B, T, V] logits, or an LMHead's own `xent`."""
+    if isinstance(logits_or_head, LMHead):
+        return logits_or_head.xent(targets_BT)
+    return token_xent(logits_or_head, targets_BT)

@@ -168,6 +168,7 @@ MATRIX = {
     "skewed": (CFG, ParallelConfig(data=1, expert=8), dict(skew=5)),
     "no-padding": (CFG, ParallelConfig(data=2, expert=4), dict(padding=0)),
     "mostly-padding": (CFG, ParallelConfig(data=2, expert=4), dict(padding=T - 1)),
+    "gather-experts": (dataclasses.replace(CFG, expert_parallel="gather"), ParallelConfig(data=2, expert=4), {}),
 }
 
 
@@ -178,6 +179,9 @@ def test_expert_parallel_matrix_equals_one_device(name):
     got, fn, args = _layer_grads(cfg, parallel, **kw)
     _assert_equal(got, _layer_grads(cfg, None, **kw)[0])
     to_all, gathers, reduces = _expert_collectives(fn, args, cfg)
-    assert to_all >= 4 and gathers == [] and reduces == [], (to_all, gathers, reduces)
-    if "skew" in kw:   # every token took the skewed expert: all assignments of 8 devices met on one
+    if cfg.expert_parallel == "gather":   # the alternative: every expert tensor gathered, no token exchange
+        assert to_all == 0 and len(gathers) == 3 and reduces == [], (to_all, gathers, reduces)
+    else:
+        assert to_all >= 4 and gathers == [] and reduces == [], (to_all, gathers, reduces)
+    if "skew" in kw:   # EP=8, one expert each: every token of 8 devices lands on one (its receive buffer full)
         assert got[1][1][kw["skew"]] == np.sum(np.asarray(_inputs(kw.get("padding", 3))[2]) != 0)

@@ -50,6 +50,9 @@ class MoEConfig:
     bias_update_rate: float = 1e-3        # used by the training loop's `update_expert_bias` call
     z_loss_coef: float = 0.0              # Ling3: 2.9e-6; the loss module scales `router_z_loss` by it
     grouped_matmul: str = "auto"          # "ragged_dot", "tiled", or "auto" (GROUPED_MATMUL_AUTO per platform)
+    # experts split over axes that also split the tokens: "all_to_all" sends the tokens to the experts'
+    # devices (parallel/expert.py); "gather" all-gathers every expert onto every device instead
+    expert_parallel: str = "all_to_all"
 
     def __post_init__(self):
         E, G = self.num_experts, self.n_groups
@@ -63,12 +66,15 @@ class MoEConfig:
             raise ValueError(f"moe: group scores sum each group's 2 best experts; num_experts/n_groups = {E // G} < 2")
         if self.grouped_matmul not in GROUPED_MATMULS:
             raise ValueError(f"moe.grouped_matmul must be one of {GROUPED_MATMULS}; got {self.grouped_matmul!r}")
+        if self.expert_parallel not in EXPERT_PARALLEL:
+            raise ValueError(f"moe.expert_parallel must be one of {EXPERT_PARALLEL}; got {self.expert_parallel!r}")
         if self.topk_groups * (E // G) < self.top_k:
             raise ValueError(f"moe: the {self.topk_groups} kept groups hold {self.topk_groups * (E // G)} experts,"
                              f" fewer than top_k={self.top_k}; raise topk_groups")
 
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+EXPERT_PARALLEL = ("all_to_all", "gather")
 GROUPED_MATMUL_AUTO = {"tpu": "ragged_dot", "gpu": "tiled", "cpu": "tiled"}   # the module docstring says why
 TILE_ROWS = 32  # rows per tile of `tiled_grouped_matmul`: at most E * (TILE_ROWS - 1) filler rows per call
 
@@ -106,21 +112,21 @@ def _token_mapping(B: int, T: int):
     return None
 
 
-def _expert_weight_specs(layout, tokens: P, shapes) -> tuple[list[P], tuple, tuple]:
+def _expert_weight_specs(layout, tokens: P, shapes, all_to_all: bool = True) -> tuple[list[P], tuple, tuple, tuple]:
     """(in_specs of wi_gate [E, D, I], wi_up, wo [E, I, D]; mesh axes to all-gather E over; axes to psum over).
 
     Experts enter split over the `exp` rule's axes, expert widths over the `mlp` rule's (each device computes
     its slice of I, outputs are summed), unless those axes also split the tokens; the model width D enters
     whole (an FSDP gather). When the `exp` axes also split the tokens they are the expert-parallel group
-    (fourth result): tokens travel to the experts (parallel/expert.py). Otherwise experts split over axes
-    that do not split the tokens are all-gathered inside.
+    (fourth result, unless `all_to_all` is False): tokens travel to the experts (parallel/expert.py). Else
+    experts split over axes that do not split the tokens are all-gathered inside, the rest enter whole.
     """
     if layout is None:
         return [P()] * 3, (), (), ()
     token_axes = {a for entry in tokens for a in axis_tuple(entry)}
     E, _, I = shapes[0]
     spec = layout.spec(("exp", "mlp"), (E, I))
-    ep = expert.ep_axes(spec[0], token_axes)
+    ep = expert.ep_axes(spec[0], token_axes) if all_to_all else ()
     gather, reduce = (tuple(a for a in axis_tuple(entry) if a not in token_axes) for entry in spec)
     if math.prod(layout.mesh.shape[a] for a in gather) != math.prod(layout.mesh.shape[a] for a in axis_tuple(spec[0])):
         gather = ()   # part of the expert axis also splits the tokens: expert parallelism, or enter whole
@@ -180,7 +186,8 @@ class MoE(nnx.Module):
         if mapped is None:
             return self._route_and_dispatch(x_BTD, *weights)
         mesh, tokens, layout = mapped
-        expert_specs, gather, reduce, ep = _expert_weight_specs(layout, tokens, [w.shape for w in weights[2:]])
+        expert_specs, gather, reduce, ep = _expert_weight_specs(layout, tokens, [w.shape for w in weights[2:]],
+                                                                self.cfg.expert_parallel == "all_to_all")
 
         def local(x, router, bias, *experts_w):
             # experts split over `gather` axes (`exp`) come back whole here (their gradient is reduce-scattered);
@@ -219,7 +226,7 @@ class MoE(nnx.Module):
             mm = lambda a, w: grouped(a, w.astype(self.dtype), sizes, preferred_element_type=wide)
             return mm((jax.nn.silu(mm(x_MD, wi_gate)) * mm(x_MD, wi_up)).astype(self.dtype), wo)
 
-        y_sorted = (expert.dispatch(x_sorted, group_sizes, experts_fn, axis_name=ep) if ep
+        y_sorted = (expert.dispatch(x_sorted, group_sizes, experts_fn, axis_name=ep, top_k=k) if ep
                     else experts_fn(x_sorted, group_sizes))
         y_NKD = jnp.zeros((N * k, D), wide).at[order].set(y_sorted).reshape(N, k, D)
         return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK).astype(self.dtype)

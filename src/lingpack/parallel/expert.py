@@ -10,8 +10,9 @@ consecutive experts each), `dispatch` then
 3. runs the local experts' grouped matmuls on what arrived,
 4. sends each result row back into the sender's sorted order, where the MoE combines as on one device.
 
-Nothing is dropped: the receive buffer holds R * N * k rows, the case where every device sends every
-assignment to one device (the dropless worst case, as in AI-Hypercomputer/maxtext:src/MaxText/layers/moe.py).
+Nothing is dropped: the receive buffer holds R * N * min(k, E / R) rows, the case where every device sends
+all it can to one device (the dropless worst case; AI-Hypercomputer/maxtext:src/MaxText/layers/moe.py sizes
+it R * N * k).
 Each row visits the same expert with the same weights as on one device, so outputs and gradients agree with
 one device up to the summation order of the expert-weight gradients.
 
@@ -91,12 +92,14 @@ def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_si
                                      axis_name=axis_name)
 
 
-def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, *, axis_name) -> jax.Array:
+def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, *, axis_name, top_k: int = 1) -> jax.Array:
     """Expert outputs of the rows `x_MD` (sorted by global expert, `sizes_E` rows each), computed where the
     experts live; returned in the same order. Call inside a shard_map over `axis_name` (the EP group).
 
     `experts_fn(x_LD, group_sizes_L)` runs this device's E / R local experts on rows sorted by local expert
-    (rows past sum(group_sizes_L) are buffer space: their results are never sent back).
+    (rows past sum(group_sizes_L) are buffer space: their results are never sent back). `top_k`: the rows
+    are M / top_k tokens' distinct experts, so one device's L experts get at most min(top_k, L) rows of a
+    token: the buffers hold R * M / top_k * min(top_k, L) received rows, never fewer than can arrive.
     """
     M, _ = x_MD.shape
     E = sizes_E.shape[0]
@@ -104,17 +107,18 @@ def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, *, axis_name) -> j
     counts_SE = jax.lax.all_gather(sizes_E.astype(jnp.int32), axis_name)   # [R senders, E]: row s = s's counts
     R = counts_SE.shape[0]
     local = E // R
+    per_peer = M // top_k * min(top_k, local)     # rows one device can send to (and get back from) one device
     counts_SJL = counts_SE.reshape(R, R, local)                            # sender, holder, holder's expert
     # where sender s's rows for expert (j, l) land on holder j: experts first, then senders in device order
     land_JLS = _exclusive_cumsum(counts_SJL.transpose(1, 2, 0).reshape(R, local * R)).reshape(R, local, R)
     start_SE = _exclusive_cumsum(counts_SE)                                # each sender's sorted-row offsets
     mine_SL = counts_SJL[:, me]                                            # what each sender sends me
     to_me = jax.lax.dynamic_index_in_dim(land_JLS, me, axis=0, keepdims=False)     # [L, S]
-    x_LD = exchange(x_MD, jnp.zeros((R * M, x_MD.shape[1]), x_MD.dtype),
+    x_LD = exchange(x_MD, jnp.zeros((R * per_peer, x_MD.shape[1]), x_MD.dtype),
                     start_SE[me], counts_SE[me], land_JLS[:, :, me].reshape(E), mine_SL.reshape(E),
-                    axis_name=axis_name, capacity=M)
+                    axis_name=axis_name, capacity=per_peer)
     y_LD = experts_fn(x_LD, mine_SL.sum(0))
     back_to = jax.lax.dynamic_slice_in_dim(start_SE, me * local, local, axis=1)    # [S, L] in senders' order
     return exchange(y_LD, jnp.zeros((M, y_LD.shape[1]), y_LD.dtype),
                     to_me.T.reshape(E), mine_SL.reshape(E), back_to.reshape(E), counts_SE[me],
-                    axis_name=axis_name, capacity=M)
+                    axis_name=axis_name, capacity=per_peer)

@@ -149,14 +149,15 @@ def test_bias_update_moves_load_toward_balance():
     assert abs(float(moe.expert_bias[...].mean())) < 1e-6   # re-centred
 
 
+@pytest.mark.parametrize("block", [None, 1, 2])   # tiles per loop step: E (default), one, a count not dividing them
 @pytest.mark.parametrize("sizes", [[0, 10, 1, 26, 0], [40, 0, 0], [8, 8, 8]])  # empty groups, whole tiles
-def test_tiled_grouped_matmul_equals_ragged_dot(sizes):
+def test_tiled_grouped_matmul_equals_ragged_dot(sizes, block):
     rng = np.random.default_rng(len(sizes))
     M, E = sum(sizes), len(sizes)
     x = jnp.asarray(rng.standard_normal((M, 8)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((E, 8, 6)), jnp.float32)
     groups = jnp.asarray(sizes, jnp.int32)
-    tiled = jax.jit(lambda x, w: tiled_grouped_matmul(x, w, groups, tile=8))
+    tiled = jax.jit(lambda x, w: tiled_grouped_matmul(x, w, groups, tile=8, block=block))
     ragged = jax.jit(lambda x, w: jax.lax.ragged_dot(x, w, groups))
     np.testing.assert_allclose(tiled(x, w), ragged(x, w), atol=1e-5, rtol=1e-5)
     grads = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))(x, w)

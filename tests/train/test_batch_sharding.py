@@ -34,7 +34,8 @@ ROWS, T = 8, 128
 SMALL = Ling3Config(vocab_size=256, emb_dim=32, num_layers=2, inhomogeneous_layer_cycle_interval=2, mlp_dim=64,
                     kda=KDAConfig(num_heads=2, head_dim=16), kda_chunk_size=16, attention_block_size=16,
                     mla=MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-                    moe=MoEConfig(num_experts=8, top_k=2, expert_dim=16, n_groups=2, topk_groups=1), mtp_num_layers=0)
+                    moe=MoEConfig(num_experts=8, top_k=2, expert_dim=16, n_groups=2, topk_groups=1), mtp_num_layers=0,
+                    vocab_chunk_size=64)   # the chunked head, vocabulary-parallel where `tensor` splits it
 # slow: layers 1-4 (MLA KDA MLA KDA, MoE) in the layer scan, flash attention, an MoE MTP layer
 STACKED = dataclasses.replace(SMALL, num_layers=5, attention_impl="flash", mtp_num_layers=1, mtp=MTPConfig(use_moe=True))
 MIXES = {"fsdp8": dict(data=1, fsdp=8), "expert8": dict(data=1, expert=8), "fsdp2-expert4": dict(data=1, fsdp=2, expert=4),

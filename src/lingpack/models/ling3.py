@@ -61,6 +61,32 @@ REMAT_POLICIES = {
 }
 
 
+def checkpoint_in_order(fn, policy):
+    """`jax.checkpoint(fn, policy=policy)` whose backward recomputes only once its output's cotangent exists.
+
+    A plain checkpoint's recomputation depends on the saved inputs alone, so XLA may schedule every unrolled
+    layer's recomputed forward at the start of the backward pass, all live at once (remat in name only;
+    the layer scan is immune: its loop runs one layer at a time). Tying the residuals to the cotangent with
+    an optimization barrier orders each layer's recomputation after the layers above it.
+    """
+    checkpointed = jax.checkpoint(fn, policy=policy)
+
+    @jax.custom_vjp
+    def call(*args):
+        return checkpointed(*args)
+
+    def fwd(*args):
+        return jax.vjp(checkpointed, *args)    # residuals: the vjp closure (inputs + what the policy saves)
+
+    def bwd(vjp_fn, g):
+        anchor = 0.0 * jnp.ravel(jax.tree.leaves(g)[0])[0].astype(jnp.float32)  # 0, but only once g exists
+        tie = lambda r: r + anchor.astype(r.dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r
+        return jax.tree.map(tie, vjp_fn)(g)
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
 @dataclasses.dataclass(frozen=True)
 class Ling3Config:
     vocab_size: int = 512
@@ -222,7 +248,7 @@ class Ling3(nnx.Module):
             # write-back fails on variables made at an outer trace level (a model merged under jit, then grad)
             graphdef, state = nnx.split(layer)
             call = lambda state, *args: nnx.merge(graphdef, state)(*args)
-            return jax.checkpoint(call, policy=policy)(state, *args)
+            return checkpoint_in_order(call, policy)(state, *args)
 
         # named scopes (embed, layer<i>, stack, head, mtp<d>) label the compiled program's ops (lingpack.hlo)
         with jax.named_scope("embed"):

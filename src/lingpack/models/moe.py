@@ -80,25 +80,34 @@ TILE_ROWS = 32  # rows per tile of `tiled_grouped_matmul`: at most E * (TILE_ROW
 
 
 def tiled_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: jax.Array, *, tile: int = TILE_ROWS,
-                         preferred_element_type=None) -> jax.Array:
+                         block: int | None = None, preferred_element_type=None) -> jax.Array:
     """`ragged_dot` semantics (rows sorted by group; group e's rows times w[e]) as tiles of one expert each.
 
-    Each group's rows are padded to whole tiles of `tile` rows (filler rows are zero and dropped again),
-    so one batched matmul [tiles, tile, D] x [tiles, D, I] does the work with per-tile expert weights.
-    The tile count is static: ceil(M / tile) + E bounds sum_e ceil(size_e / tile).
+    Each group's rows are padded to whole tiles of `tile` rows (filler rows are zero and dropped again);
+    the tile count is static: ceil(M / tile) + E bounds sum_e ceil(size_e / tile). Tiles run `block` at a
+    time (default E) as one batched matmul [block, tile, D] x [block, D, I] with per-tile expert weights, in
+    a loop: a tile's weights are gathered for its block only (and again in the backward), so the gathered
+    copies never exceed E experts' worth, whatever M (all tiles at once held M / tile copies of a weight).
     """
     M, D = x_MD.shape
     E = w_EDI.shape[0]
-    n_tiles = -(-M // tile) + E
+    block = E if block is None else block
+    n_blocks = -(-(-(-M // tile) + E) // block)
+    n_tiles = n_blocks * block
     padded_E = (group_sizes_E + tile - 1) // tile * tile
     padded_start_E = jnp.cumsum(padded_E) - padded_E
     start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
     expert_M = jnp.repeat(jnp.arange(E), group_sizes_E, total_repeat_length=M)
     dest_M = padded_start_E[expert_M] + jnp.arange(M) - start_E[expert_M]
-    x_tiles = jnp.zeros((n_tiles * tile, D), x_MD.dtype).at[dest_M].set(x_MD).reshape(n_tiles, tile, D)
+    x_tiles = jnp.zeros((n_tiles * tile, D), x_MD.dtype).at[dest_M].set(x_MD).reshape(n_blocks, block, tile, D)
     # tile t belongs to the expert whose padded range holds row t * tile; unused tiles (zero rows) take E - 1
     tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(n_tiles) * tile, side="right"), E - 1)
-    y_tiles = jnp.einsum("tsd,tdi->tsi", x_tiles, w_EDI[tile_expert], preferred_element_type=preferred_element_type)
+
+    @jax.checkpoint   # the backward gathers the block's weights again instead of saving every block's copy
+    def one_block(x_btd, experts_b):
+        return jnp.einsum("btd,bdi->bti", x_btd, w_EDI[experts_b], preferred_element_type=preferred_element_type)
+
+    y_tiles = jax.lax.map(lambda args: one_block(*args), (x_tiles, tile_expert.reshape(n_blocks, block)))
     return y_tiles.reshape(n_tiles * tile, -1)[dest_M]
 
 

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from lingpack import backend, hlo
+from lingpack.errors import ConfigError
 from lingpack.models.moe import MoE, MoEConfig
 from lingpack.parallel import expert
 from lingpack.parallel.layout import Layout, activation_layout
@@ -141,6 +142,11 @@ def test_expert4_x_data2_equals_one_device(one_device):
     assert to_all >= 4 and gathers == [] and reduces == [], (to_all, gathers, reduces)
 
 
+def test_rounds_must_divide_the_tokens():
+    with pytest.raises(ConfigError, match="expert_parallel_chunks=3 must divide the 16 tokens"):
+        _layer_grads(dataclasses.replace(CFG, expert_parallel_chunks=3), ParallelConfig(data=2, expert=4))
+
+
 def test_ragged_all_to_all_on_accelerators():
     """Traced for TPU / GPU the layer's forward and backward exchange by XLA's ragged all-to-all; on CPU by
     all_to_all (XLA:CPU has no ragged one)."""
@@ -169,6 +175,9 @@ MATRIX = {
     "no-padding": (CFG, ParallelConfig(data=2, expert=4), dict(padding=0)),
     "mostly-padding": (CFG, ParallelConfig(data=2, expert=4), dict(padding=T - 1)),
     "gather-experts": (dataclasses.replace(CFG, expert_parallel="gather"), ParallelConfig(data=2, expert=4), {}),
+    "4-rounds": (dataclasses.replace(CFG, expert_parallel_chunks=4), ParallelConfig(data=2, expert=4), {}),
+    "2-rounds-skewed": (dataclasses.replace(CFG, expert_parallel_chunks=2), ParallelConfig(data=1, expert=8),
+                        dict(skew=5)),
 }
 
 

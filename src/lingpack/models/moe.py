@@ -53,6 +53,7 @@ class MoEConfig:
     # experts split over axes that also split the tokens: "all_to_all" sends the tokens to the experts'
     # devices (parallel/expert.py); "gather" all-gathers every expert onto every device instead
     expert_parallel: str = "all_to_all"
+    expert_parallel_chunks: int = 1       # all_to_all: the device's tokens dispatched in this many rounds
 
     def __post_init__(self):
         E, G = self.num_experts, self.n_groups
@@ -68,6 +69,8 @@ class MoEConfig:
             raise ValueError(f"moe.grouped_matmul must be one of {GROUPED_MATMULS}; got {self.grouped_matmul!r}")
         if self.expert_parallel not in EXPERT_PARALLEL:
             raise ValueError(f"moe.expert_parallel must be one of {EXPERT_PARALLEL}; got {self.expert_parallel!r}")
+        if self.expert_parallel_chunks < 1:
+            raise ValueError(f"moe.expert_parallel_chunks={self.expert_parallel_chunks} must be >= 1")
         if self.topk_groups * (E // G) < self.top_k:
             raise ValueError(f"moe: the {self.topk_groups} kept groups hold {self.topk_groups * (E // G)} experts,"
                              f" fewer than top_k={self.top_k}; raise topk_groups")
@@ -219,7 +222,13 @@ class MoE(nnx.Module):
 
     def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep=()) -> jax.Array:
         """Sort assignments by expert, grouped matmuls (on the experts' devices over `ep` axes), weighted
-        scatter-add back."""
+        scatter-add back; over `ep`, in `expert_parallel_chunks` rounds of the tokens."""
+        if ep:
+            body = lambda x, i, w: self._dispatch_rows(x, i, w, wi_gate, wi_up, wo, ep)
+            return expert.in_rounds(body, self.cfg.expert_parallel_chunks, x_ND, idx_NK, weights_NK)
+        return self._dispatch_rows(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep)
+
+    def _dispatch_rows(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep) -> jax.Array:
         N, D = x_ND.shape
         k, E = idx_NK.shape[1], self.cfg.num_experts
         flat_expert = idx_NK.reshape(-1)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from lingpack import backend
+from lingpack.errors import ConfigError
 from lingpack.parallel.layout import axis_tuple
 
 RAGGED_ALL_TO_ALL = "ragged_all_to_all"   # its StableHLO custom-call target (jax.export waives its check by name)
@@ -122,3 +123,23 @@ def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, *, axis_name, top_
     return exchange(y_LD, jnp.zeros((M, y_LD.shape[1]), y_LD.dtype),
                     to_me.T.reshape(E), mine_SL.reshape(E), back_to.reshape(E), counts_SE[me],
                     axis_name=axis_name, capacity=per_peer)
+
+
+def in_rounds(fn, rounds: int, *token_arrays):
+    """`fn` over `rounds` consecutive slices of the token axis (axis 0), one after another (`lax.map`).
+
+    The same rows travel as in one round, but every exchange buffer (and the worst-case receive buffer
+    the grouped matmuls run over) is 1 / rounds the size; each token's result is unchanged. Each round is
+    rematerialised (`jax.checkpoint`): the backward recomputes its exchange and experts, so what stays
+    live between the forward and the backward is the rounds' inputs, not their buffers.
+    """
+    N = token_arrays[0].shape[0]
+    if rounds == 1:
+        return fn(*token_arrays)
+    if N % rounds:
+        raise ConfigError(f"moe.expert_parallel_chunks={rounds} must divide the {N} tokens each device routes "
+                          "(rows x sequence length per device); pick a divisor")
+    split = [a.reshape(rounds, N // rounds, *a.shape[1:]) for a in token_arrays]
+    one_round = jax.checkpoint(fn)
+    y = jax.lax.map(lambda args: one_round(*args), split)
+    return y.reshape(N, *y.shape[2:])

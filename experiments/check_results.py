@@ -36,6 +36,8 @@ ARTIFACTS = {   # README block -> (artifact, the committed script that writes it
 PAGE_ARTIFACTS = {   # docs page block -> (page, artifact, the committed script that writes both)
     "loss_parity": ("docs/parity.md", "experiments/loss_parity/results/results.md",
                     "experiments/loss_parity/run_parity.py"),
+    "expert_parallel": ("docs/parallelism.md", "experiments/expert_parallel/results/results.md",
+                        "experiments/expert_parallel/bench.py"),
 }
 BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
 

@@ -84,8 +84,9 @@ def _inputs(padding: int):
     return x, w, jnp.asarray(seg)
 
 
-def _layer_grads(cfg, parallel: ParallelConfig | None, padding=3, skew=None):
-    """(gradients of params and x, (y, load counts, z-loss, tokens), the jitted function, its arguments)."""
+def _layer_grads(cfg, parallel: ParallelConfig | None, padding=3, skew=None, run=True):
+    """(gradients of params and x, (y, load counts, z-loss, tokens), the jitted function, its arguments);
+    `run=False`: the function and its arguments only."""
     moe = _moe(cfg)
     if skew is not None:   # one expert's bias so large that every token picks it
         moe.expert_bias[...] = moe.expert_bias[...].at[skew].set(10.0)
@@ -105,8 +106,9 @@ def _layer_grads(cfg, parallel: ParallelConfig | None, padding=3, skew=None):
                                                      is_leaf=lambda s: isinstance(s, P)))
         rows = layout.sharding(("batch", "length"), (B, T))
         x, seg = jax.device_put(x, layout.sharding(("batch", "length", None), x.shape)), jax.device_put(seg, rows)
-    (g_params, g_x), out = fn(params, x, seg)
-    return jax.device_get(((g_params, g_x), out)), fn, (params, x, seg)
+    if not run:
+        return None, fn, (params, x, seg)
+    return jax.device_get(fn(params, x, seg)), fn, (params, x, seg)
 
 
 def _assert_equal(got, ref):
@@ -150,7 +152,7 @@ def test_rounds_must_divide_the_tokens():
 def test_ragged_all_to_all_on_accelerators():
     """Traced for TPU / GPU the layer's forward and backward exchange by XLA's ragged all-to-all; on CPU by
     all_to_all (XLA:CPU has no ragged one)."""
-    _, fn, args = _layer_grads(CFG, ParallelConfig(data=2, expert=4))
+    _, fn, args = _layer_grads(CFG, ParallelConfig(data=2, expert=4), run=False)
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
     waived = [jax.export.DisabledSafetyCheck.custom_call(expert.RAGGED_ALL_TO_ALL)]
     for platform in ("tpu", "cuda"):

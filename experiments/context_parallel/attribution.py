@@ -70,7 +70,8 @@ def measure(T: int, cp: int) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     return dict(T=T, cp=cp, commit=commit.strip(), peak_bytes=sum(b.bytes for b in buffers),
                 parts=hlo.group_bytes(buffers, part_of),
-                largest=[dict(bytes=b.bytes, shape=b.shape, part=part_of(b), op=b.op_name[-160:]) for b in buffers[:15]])
+                largest=[dict(bytes=b.bytes, shape=b.shape, part=part_of(b), op=b.op_name[-160:])
+                         for b in buffers[:15]])
 
 
 def table(results: dict) -> str:
@@ -81,8 +82,8 @@ def table(results: dict) -> str:
     for T, runs in sorted(by_T.items()):
         cps = sorted(runs)
         base = runs.get(1)
-        lines += [f"ling3_tiny train step at T={T // 1024}K: values live at the buffer-assignment peak (MiB per device), "
-                  "by the scope that produced them; in brackets: / the CP=1 bytes.", "",
+        lines += [f"ling3_tiny train step at T={T // 1024}K: values live at the buffer-assignment peak (MiB per "
+                  "device), by the scope that produced them; in brackets: / the CP=1 bytes.", "",
                   "| part | " + " | ".join(f"CP={c}" for c in cps) + " |", "|---|" + "---|" * len(cps)]
         parts = sorted({p for r in runs.values() for p in r["parts"]},
                        key=lambda p: -max(r["parts"].get(p, 0) for r in runs.values()))

@@ -75,8 +75,8 @@ def layer_program(cfg: MoEConfig, D: int, dtype, param_dtype, axes: dict):
     moe = nnx.eval_shape(lambda: MoE(cfg, D, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(moe)
     specs = nnx.get_partition_spec(params)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=layout.sharding(tuple(s), a.shape)),
-                          params, specs, is_leaf=lambda s: isinstance(s, P))
+    place = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=layout.sharding(tuple(s), a.shape))
+    params = jax.tree.map(place, params, specs, is_leaf=lambda s: isinstance(s, P))
     B, T = layout.mesh.size, TOKENS_PER_DEVICE   # one row of 8192 tokens per device
     x = jax.ShapeDtypeStruct((B, T, D), dtype, sharding=layout.sharding(("batch", "length", None), (B, T, D)))
 
@@ -105,7 +105,8 @@ def part1() -> list[dict]:
             kinds = hlo.collectives(compiled.as_text())["by_kind"]
             rows_moved = [op for op in ops if op.kind == "all-to-all" and op.dims[0][-1:] == (D,)]
             mem = compiled.memory_analysis()
-            rows.append(dict(mesh=mesh_name, mode=mode, rounds=rounds, compile_cpu_s=round(time.process_time() - start, 1),
+            rows.append(dict(mesh=mesh_name, mode=mode, rounds=rounds,
+                             compile_cpu_s=round(time.process_time() - start, 1),
                              collective_bytes={k: v["bytes"] for k, v in kinds.items()},
                              collective_count={k: v["count"] for k, v in kinds.items()},
                              ragged_bytes_balanced=round(sum(op.bytes * op.times for op in rows_moved) * routed),
@@ -117,7 +118,8 @@ def part1() -> list[dict]:
 
 SMALL = Ling3Config(vocab_size=256, emb_dim=64, num_layers=2, inhomogeneous_layer_cycle_interval=2, mlp_dim=128,
                     kda=KDAConfig(num_heads=2, head_dim=32), kda_chunk_size=16, attention_block_size=32,
-                    mla=MLAConfig(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
+                    mla=MLAConfig(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                  v_head_dim=32),
                     moe=MoEConfig(num_experts=8, top_k=2, expert_dim=64, n_groups=2, topk_groups=1), mtp_num_layers=0)
 
 
@@ -131,8 +133,9 @@ def part2(rounds: int = 7, steps: int = 3) -> dict:
     runs = {}
     for mode in MODES:
         model = dataclasses.replace(SMALL, moe=dataclasses.replace(SMALL.moe, expert_parallel=mode))
-        program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=100), ParallelConfig(**MESHES["expert=4 x data=2"]),
-                                     TrainConfig(), rows=rows, seq_length=T, donate=False)
+        program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=100),
+                                     ParallelConfig(**MESHES["expert=4 x data=2"]), TrainConfig(), rows=rows,
+                                     seq_length=T, donate=False)
         state = jax.jit(program.init, out_shardings=program.shardings)()
         placed = jax.device_put(batch, program.batch_sharding)
         jax.block_until_ready(program.step(state, placed))   # compile and warm up
@@ -175,7 +178,8 @@ def main():
     args = parser.parse_args()
     path = OUT / "results.json"
     if not args.table_only:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+        commit = git.stdout.strip()
         result = dict(commit=commit, machine=f"{platform.machine()} CPU, {os.cpu_count()} cores, shared",
                       part1=part1(), part2=part2())
         OUT.mkdir(parents=True, exist_ok=True)

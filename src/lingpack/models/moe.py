@@ -125,7 +125,7 @@ def _token_mapping(B: int, T: int):
 
 
 def _expert_weight_specs(layout, tokens: P, shapes, all_to_all: bool = True) -> tuple[list[P], tuple, tuple, tuple]:
-    """(in_specs of wi_gate [E, D, I], wi_up, wo [E, I, D]; mesh axes to all-gather E over; axes to psum over).
+    """(in_specs of wi_gate [E, D, I], wi_up, wo [E, I, D]; axes to all-gather E over; to psum over; the EP axes).
 
     Experts enter split over the `exp` rule's axes, expert widths over the `mlp` rule's (each device computes
     its slice of I, outputs are summed), unless those axes also split the tokens; the model width D enters

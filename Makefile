@@ -39,11 +39,11 @@ test-all: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -m ""
 
 bench: $(TEST_STAMP)
-	$(PY) experiments/bench_kda.py
-	$(PY) experiments/bench_train.py
+	$(PY) -m experiments.bench_kda.bench
+	$(PY) -m experiments.bench_train.bench
 
 check-results: $(RUN_STAMP)
-	$(PY) experiments/check_results.py
+	$(PY) -m experiments.check_results
 
 clean:
 	rm -rf $(VENV) outputs multirun

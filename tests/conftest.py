@@ -49,6 +49,12 @@ HEAVY_DUPLICATES = {
         "splash itself: tests/kernels/test_attention.py; model packing: the other pairings",
     "tests/models/test_ling3.py::test_no_leakage_between_documents[reference-splash]":
         "splash itself: tests/kernels/test_attention.py; model leakage: the other pairings",
+    "tests/kernels/test_kda_pallas_model.py::test_ling3_packed_equals_per_document_with_pallas_kda[pallas_varlen]":
+        "the kernel per document: tests/kernels/test_kda_pallas.py; the model on the aligned layout: "
+        "tests/models/test_ling3.py::test_packed_equals_per_document[chunked_aligned-dot_product]",
+    "tests/models/test_parity_kimi.py::test_lingpack_to_hf_logits":
+        "test_hf_to_lingpack_logits (logits, and every tensor and key back to transformers' names exactly) and "
+        "test_scanned_model_converts_both_ways",
 }
 
 

@@ -86,7 +86,7 @@ def table(results: dict) -> str:
                   "device), by the scope that produced them; in brackets: / the CP=1 bytes.", "",
                   "| part | " + " | ".join(f"CP={c}" for c in cps) + " |", "|---|" + "---|" * len(cps)]
         parts = sorted({p for r in runs.values() for p in r["parts"]},
-                       key=lambda p: -max(r["parts"].get(p, 0) for r in runs.values()))
+                       key=lambda p: (-max(r["parts"].get(p, 0) for r in runs.values()), p))
         for part in parts + ["total"]:
             cells = []
             for c in cps:

@@ -1,6 +1,6 @@
 """Context-parallel attention: per-device memory vs T, and causal work balance plain vs zigzag.
 
-    python experiments/context_parallel/bench.py [--quick] [--out experiments/context_parallel/results]
+    python -m experiments.context_parallel.bench [--quick] [--out experiments/context_parallel/results]
 
 Part 1 (memory). An MLA layer's forward+backward (grads of params and input) is compiled for 8 fake
 CPU devices and its per-device peak read from `.compile().memory_analysis()` (arguments + outputs +
@@ -12,6 +12,8 @@ Part 2 (balance). For a causal row over N=8 devices, the useful (unmasked) query
 computes at each ring step, plain (contiguous) vs zigzag, for one document filling the row and for a
 packed row; "max/mean" is the step's slowest device over the average one. Then the real ring kernel's
 computed tiles per device (the kernel's own skip count) for the same rows.
+
+Writes results/results.json, whose `table` is the `context_parallel` results block, and the plot.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from experiments.provenance import commit  # noqa: E402
 from lingpack.models.mla import MLA, MLAConfig  # noqa: E402
 from lingpack.parallel.context import ContextParallel, context_attention, context_parallel  # noqa: E402
 from lingpack.parallel.reorder import zigzag_permutation  # noqa: E402
@@ -72,7 +75,8 @@ def mla_peak(T: int, mode: str) -> int:
 
     row, rep = NamedSharding(mesh, P(None, "context")), NamedSharding(mesh, P())
     shapes = (jax.ShapeDtypeStruct((1, T, EMB), jnp.float32, sharding=row),
-              jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row), jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row))
+              jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row),
+              jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row))
     params_abs = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=rep), params)
     fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
     return peak_bytes(fn.lower(params_abs, *shapes).compile())
@@ -174,8 +178,10 @@ def plot(memory: list[dict], balance: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def table(memory: list[dict], balance: dict) -> str:
-    lines = [f"Per-device peak of MLA fwd+bwd (MiB; B=1, {MLA_CFG.num_heads} heads, emb {EMB}, block {BLOCK}, fp32). "
+def table(memory: list[dict], balance: dict, code: str = "-") -> str:
+    """The `context_parallel` results block, from results.json's `memory`, `balance` and `commit`."""
+    lines = [f"Per-device peak of MLA fwd+bwd (MiB; B=1, {MLA_CFG.num_heads} heads, emb {EMB}, block {BLOCK}, fp32; "
+             f"lingpack at commit {code}). "
              f"The first three run on one device, the last three split the row over context={N} (zigzag).", "",
              "| T | dot_product | flash | blockwise | all_gather | ring | ulysses | blockwise/ring | flash/ring |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -208,10 +214,10 @@ def main():
     lengths = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536]
     balance = part2(4096, 64)
     memory = part1(lengths)
-    (out / "results.json").write_text(json.dumps({"memory": memory, "balance": balance}, indent=2))
-    (out / "results.md").write_text(table(memory, balance))
+    code = commit()
+    (out / "results.json").write_text(json.dumps({"commit": code, "memory": memory, "balance": balance}, indent=2))
     plot(memory, balance, out / "context_parallel.png")
-    print(table(memory, balance))
+    print(table(memory, balance, code))
 
 
 if __name__ == "__main__":

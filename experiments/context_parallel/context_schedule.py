@@ -1,12 +1,13 @@
 """`python run.py experiment=context_schedule` end to end, summarised: stages, losses, tokens/s, stage changes.
 
-    python experiments/context_parallel/context_schedule.py                 # runs it (8 fake CPU devices)
-    python experiments/context_parallel/context_schedule.py --run-dir DIR   # summarises a finished run
+    python -m experiments.context_parallel.context_schedule                 # runs it (8 fake CPU devices)
+    python -m experiments.context_parallel.context_schedule --run-dir DIR   # summarises a finished run
 
-Writes results/context_schedule.md (the README table) and copies the run's metrics.jsonl and the stage lines
-of its run.log beside it. Per step: the row length the step trained on (its `tokens`; B=1), the stage's RoPE
-theta, losses, and tokens/s. The first step of every stage includes that stage's compile, so its tokens/s
-is not a throughput; all timings are wall clock on 2 CPU cores shared with other jobs (inflated, noisy).
+Writes results/context_schedule.json: the code's commit, the run's metrics records, its stages and the stage
+lines of its run.log; `table` renders the `context_schedule` results block from it. Per step: the row length
+the step trained on (its `tokens`; B=1), the stage's RoPE theta, losses, and tokens/s. The first step of
+every stage includes that stage's compile, so its tokens/s is not a throughput; all timings are wall clock
+on 2 CPU cores shared with other jobs (inflated, noisy).
 """
 
 from __future__ import annotations
@@ -21,21 +22,26 @@ from pathlib import Path
 
 import yaml
 
+from experiments.provenance import commit
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/context_parallel/results"
 STAGE_LINES = ("context stage", "checkpoint: step", "resumed from step")
 
 
 def run(run_dir: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"),
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags.strip())
     subprocess.run([sys.executable, str(ROOT / "run.py"), "experiment=context_schedule", "train.progress_bar=false",
                     f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, check=True)
 
 
-def table(records: list[dict], stages: list[dict], events: list[str]) -> str:
+def table(result: dict) -> str:
+    """The `context_schedule` results block, from results/context_schedule.json."""
+    records, stages, events = result["records"], result["stages"], result["events"]
     by_length = {s["seq_length"]: s for s in stages}
-    lines = ["`python run.py experiment=context_schedule`: ling3_tiny, B=1, CP=8 zigzag on 8 fake CPU devices, "
+    lines = [f"`python run.py experiment=context_schedule` (lingpack at commit {result['commit']}): ling3_tiny, B=1, "
+             "CP=8 zigzag on 8 fake CPU devices, "
              "stages " + " -> ".join(f"{s['seq_length'] // 1024}K x {s['steps']} (theta {s['rope_theta']:g})"
                                      for s in stages) + ". First step of a stage = its compile.", "",
              "| step | row length | rope theta | loss | lm loss | mtp loss | grad norm | lr | tokens/s |",
@@ -67,9 +73,9 @@ def main() -> int:
     events = [line.split(" - ", 1)[-1].replace(f"{ROOT}/", "") for line in log_lines
               if any(s in line for s in STAGE_LINES)]
     OUT.mkdir(parents=True, exist_ok=True)
-    shutil.copy(run_dir / "metrics.jsonl", OUT / "context_schedule_metrics.jsonl")
-    (OUT / "context_schedule.md").write_text(table(records, stages, events))
-    print(table(records, stages, events))
+    result = {"commit": commit(), "records": records, "stages": stages, "events": events}
+    (OUT / "context_schedule.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
     return 0
 
 

@@ -1,7 +1,7 @@
 """The whole ling3_tiny train step under context parallelism: per-device memory vs T, and collectives.
 
-    python experiments/context_parallel/model_memory.py [--T 4096 16384 65536] [--cp 1 2 4 8] [--jobs 3]
-    python experiments/context_parallel/model_memory.py --table-only     # re-render md + png from the json
+    python -m experiments.context_parallel.model_memory [--T 4096 16384 65536] [--cp 1 2 4 8] [--jobs 3]
+    python -m experiments.context_parallel.model_memory --table-only     # re-render the png from the json
 
 Part 1 (memory). One train step of ling3_tiny (forward, backward, clip, AdamW; B=1; fp32; KDA `chunked`, MLA
 `flash` on one device and `ring` under CP, zigzag layout) is compiled for 8 fake CPU devices and its
@@ -16,7 +16,7 @@ bytes per device.
 
 Every configuration compiles in its own subprocess with a timeout; results are merged into
 `results/model_memory.json` as they arrive, so an interrupted run keeps what it measured (rerun to fill in
-the rest: finished configurations are skipped).
+the rest: finished configurations are skipped). `table` renders the `context_parallel_model` results block.
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ VOCAB = 384              # the bundled corpus' vocabulary, padded (what `python 
 LAYER_T, LAYER_CP = 16384, 8
 COUNTER = 2             # version of `collectives`; the table skips counts from older versions
 VARIANTS = {   # code changes measured against the main grid (which stays as it was measured)
-    "moe_local": "each device dispatches its own tokens to the experts (before: one global sort over the split "
-                 "token axis, which XLA runs on every token on every device).",
+    "moe_local": "each device dispatches its own tokens to the experts.",
 }
+# the main grid's rows predate recording a commit; this names the code they measured
+MAIN_GRID_CODE = ("the code before commit b6a924d, whose MoE dispatched every token with one global sort over the "
+                  "split token axis (XLA runs it on every token on every device)")
 KINDS = ("all-gather", "collective-permute", "all-reduce", "reduce-scatter", "all-to-all")
 
 
@@ -72,11 +74,6 @@ def peak(compiled) -> dict:
     return dict(parts, peak=parts["argument"] + parts["output"] + parts["temp"] - parts["alias"])
 
 
-def _commit() -> str:
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "src") else "")
-
-
 def measure_step(T: int, cp: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -88,7 +85,8 @@ def measure_step(T: int, cp: int) -> dict:
     from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig
     from lingpack.train.step import ModelDef, init_fn, make_train_step, state_shardings
 
-    commit = _commit()   # the code this worker imported
+    from experiments.provenance import commit as code_commit
+    commit = code_commit()   # the code this worker imported
     cfg = model_config()
     parallel = ParallelConfig(data=1, context=cp, context_strategy="ring", load_balance=True)
     mesh = shard_lib.make_mesh(parallel, devices=jax.devices()[:cp])
@@ -154,11 +152,10 @@ def measure_layer(kind: str, T: int, cp: int) -> dict:
 # ---------------------------------------------------------------- driver, table, plot
 
 def run_one(key: str, args: list[str], timeout: int) -> dict | None:
-    cmd = [sys.executable, __file__, "--worker", *args]
+    cmd = [sys.executable, "-m", "experiments.context_parallel.model_memory", "--worker", *args]
     print(f"{key}: compiling ...", flush=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
         print(f"{key}: timed out after {timeout} s", flush=True)
         return {"timeout_s": timeout}
@@ -177,12 +174,18 @@ def _steps(res: dict, variant: str = "") -> dict:
     return {(r["T"], r["cp"]): r for k, r in res.items() if k.startswith(prefix) and "peak" in r}
 
 
+def _code(steps: dict) -> str:
+    commits = sorted({r["commit"] for r in steps.values() if r.get("commit")})
+    return f"commit {', '.join(commits)}" if commits else MAIN_GRID_CODE
+
+
 def table(res: dict) -> str:
+    """The `context_parallel_model` results block, from results/model_memory.json."""
     steps = _steps(res)
     Ts, cps = sorted({t for t, _ in steps}), sorted({c for _, c in steps})
     lines = ["Per-device peak of one ling3_tiny train step (MiB; B=1, fp32, 4 layers: 3 KDA + 1 MLA, AdamW), compiled "
-             "for the row split over `context`=CP (zigzag; KDA state passing, ring MLA; CP=1: one device, flash MLA). "
-             "In brackets: peak / CP=1 peak at that T (goal ~1/CP).", "",
+             "for the row split over `context`=CP (zigzag; KDA state passing, ring MLA; CP=1: one device, flash MLA), "
+             f"measured on {_code(steps)}. In brackets: peak / CP=1 peak at that T (goal ~1/CP).", "",
              "| T | " + " | ".join(f"CP={c}" for c in cps) + " |", "|---" * (len(cps) + 1) + "|"]
     for T in Ts:
         base = steps.get((T, 1))
@@ -271,7 +274,6 @@ def plot(res: dict, path: Path) -> None:
 def write(res: dict) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "model_memory.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
-    (OUT / "model_memory.md").write_text(table(res))
     if any(k.startswith("step/") and "peak" in r for k, r in res.items()):
         plot(res, OUT / "model_memory.png")
 

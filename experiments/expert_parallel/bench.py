@@ -3,7 +3,8 @@
     python -m experiments.expert_parallel.bench               # both parts, writes results/
     python -m experiments.expert_parallel.bench --table-only  # re-renders results.md from results.json
 
-Both write results/results.json (unless --table-only), results/results.md and its copy in docs/parallelism.md.
+Both write results/results.json (unless --table-only) and results/results.md; `python -m experiments.check_results
+--write` copies the table into the docs' `expert_parallel` blocks.
 
 Part 1 (flagship dims, compile only). One MoE layer of conf/model/ling3_flagship.yaml (128 experts, top-8,
 D=1536, expert width 512, bf16 compute, fp32 parameters), forward + backward (gradients of every parameter
@@ -30,7 +31,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -60,7 +60,6 @@ VARIANTS = (("gather", 1), ("all_to_all", 1), ("all_to_all", 8))   # (moe.expert
 MESHES = {"expert=8": dict(data=1, expert=8), "expert=4 x data=2": dict(data=2, expert=4)}
 TOKENS_PER_DEVICE = 8192
 GIB = 2 ** 30
-PAGES = ("docs/parallelism.md",)
 
 
 def flagship_moe() -> tuple[MoEConfig, int, str, str]:
@@ -187,10 +186,6 @@ def main():
     result = json.loads(path.read_text())
     text = table(result)
     (OUT / "results.md").write_text(text)
-    for page in PAGES:   # the pages' copies of the table (experiments/check_results.py compares them)
-        path = ROOT / page
-        block = re.compile(r"(<!-- results: expert_parallel -->\n)(.*?)(<!-- /results -->)", re.S)
-        path.write_text(block.sub(lambda m: m.group(1) + text + m.group(3), path.read_text()))
     print(text)
 
 

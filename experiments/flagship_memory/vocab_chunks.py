@@ -23,18 +23,16 @@ it under `flock /tmp/lingpack-bigmem.lock` on a shared machine.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import yaml
 
+from experiments.provenance import commit
 from lingpack.models.head import LMHead
 from lingpack.models.ling3 import config_from_dict
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -104,15 +102,11 @@ def head_timing(chunks: list[int], repeats: int, tokens: int) -> dict:
     return out
 
 
-def _commit() -> str:
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "src") else "")
-
-
 def render(result: dict) -> str:
     memory, timing = result["memory"], result["head"]
     base_temp, base_cpu = memory["0"]["temp_bytes"], timing["0"]["cpu_s_median"]
-    lines = [f"Vocabulary chunks at V={result['vocab']}, T={result['T']} (commit {result['commit']}, {result['machine']})",
+    lines = [f"Vocabulary chunks at V={result['vocab']}, T={result['T']} (memory: commit "
+             f"{result.get('memory_commit', result['commit'])}; time and exactness: commit {result['commit']}; {result['machine']})",
              "", f"| vocab_chunk_size | step temp GiB (T={result['T']}) | temp / whole | head+xent temp GiB (T={result['T']}) "
              f"| temp / whole | head+xent CPU s (T={result['time_tokens']}) | CPU / whole | loss rel | dh rel | dw rel |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -134,12 +128,16 @@ def main():
     parser.add_argument("--time-tokens", type=int, default=1024)
     parser.add_argument("--head-memory-only", action="store_true", help="add the head's compiled temporaries to "
                         "results/vocab_chunks.json (compile only)")
+    parser.add_argument("--memory-only", action="store_true", help="measure the step's and the head's compiled "
+                        "temporaries again into results/vocab_chunks.json, keeping its timing (compile only)")
     args = parser.parse_args()
     chunks = sorted(set([0] + args.chunks))
-    if args.head_memory_only:
+    if args.head_memory_only or args.memory_only:
         result = json.loads((OUT / "vocab_chunks.json").read_text())
         result["head_temp_bytes"] = head_memory(result["chunks"])
-        result["head_memory_commit"] = _commit()
+        result["memory_commit"] = commit()
+        if args.memory_only:
+            result["memory"] = {str(c): step_memory(c) for c in result["chunks"]}
         (OUT / "vocab_chunks.json").write_text(json.dumps(result, indent=1) + "\n")
         (OUT / "vocab_chunks.md").write_text(render(result))
         print(render(result))
@@ -148,7 +146,7 @@ def main():
     for c in chunks:
         memory[str(c)] = step_memory(c)
         print(f"vocab_chunk_size={c}: temp {memory[str(c)]['temp_bytes'] / 2**30:.2f} GiB", flush=True)
-    result = {"commit": _commit(), "machine": "shared 2-core CPU host, fp32", "vocab": model_config(0).vocab_size,
+    result = {"commit": commit(), "machine": "shared 2-core CPU host, fp32", "vocab": model_config(0).vocab_size,
               "T": T, "time_tokens": args.time_tokens, "chunks": chunks, "memory": memory,
               "head": head_timing(chunks, args.repeats, args.time_tokens), "head_temp_bytes": head_memory(chunks)}
     OUT.mkdir(exist_ok=True)

@@ -1,6 +1,6 @@
 """Regenerate the loss-parity table: lingpack vs the Megatron-semantics PyTorch reference.
 
-    python experiments/loss_parity/run_parity.py [--steps 50] [--only NAME ...] [--reuse] [--table-only]
+    python -m experiments.loss_parity.run_parity [--steps 50] [--only NAME ...] [--reuse] [--table-only]
 
 Each variant is one `python run.py experiment=loss_parity[_fp64] ...` run (its directory under `results/`):
 the default Ling3 (lower-bound gate, RoPE MLA, MTP) and the model as KimiLinear alone expresses it (softplus
@@ -9,10 +9,9 @@ routing-locked), with dense FFNs, and with bf16 compute against the fp32 referen
 routing on both sides (`<run>/parity/routing.json`: the first step whose expert selections differ, its MoE
 layer, the flipped tokens' decision margin); every variant compares the MTP and router z-loss terms per step
 (`<run>/parity/terms.csv`) and the evaluations on the valid and test splits (`<run>/parity/validation_parity.csv`).
-Writes `results.json` (one row per variant, from the runs' summaries), `results.md` (the table, `table(rows)`)
-and the table into docs/parity.md between its `<!-- results: loss_parity -->` markers. Every run directory
-records the commit it measured (`commit.json`; a source snapshot made by `git archive` names its commit in a
-`COMMIT` file at its root).
+Writes `results.json` (one row per variant, from the runs' summaries; `table(rows)` is the `loss_parity`
+results block of the docs, rewritten by `python -m experiments.check_results --write`). Every run directory
+records the commit it measured (`commit.json`, `experiments.provenance.commit`).
 `--only` reruns the named variants and keeps the others' runs; `--reuse` keeps every variant whose run directory
 has a summary. The table holds a row for every variant that has a run.
 """
@@ -21,17 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from experiments.provenance import commit
+
 ROOT = Path(__file__).resolve().parents[2]
-PAGE = ROOT / "docs" / "parity.md"   # the user page holding the table (between its results markers)
 KIMI = ["model.mtp_num_layers=0", "model.kda.lower_bound=null", "model.mla.rope_type=none"]  # KimiLinear's model
 FP32, BF16, FP64 = ["model.dtype=float32"], ["model.dtype=bfloat16"], ["experiment=loss_parity_fp64"]
 LOCKED = ["parity.lock_routing=true"]
+STALE = " (earlier harness)"   # marks a row whose run predates the per-step terms and dtype records
 VARIANTS = {  # name -> (overrides, relative tolerance); fp64 rows run float64 on both sides, the others fp32
     "default Ling3 float64": (FP64, 1e-9),
     "KimiLinear float64": (FP64 + KIMI, 1e-9),
@@ -72,7 +72,7 @@ def row_of(name: str, tolerance: float, run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     stale = "parity_reference_dtype" not in summary  # a run of an earlier harness (no terms, no dtype record)
     commit = run_dir / "commit.json"
-    return {"variant": name + (" (previous run)" if stale else ""),
+    return {"variant": name + (STALE if stale else ""),
             "commit": json.loads(commit.read_text())["commit"] if commit.exists() else None,
             "steps": summary["parity_steps"],
             "dtypes": _dtypes(summary),
@@ -94,19 +94,12 @@ def _dtypes(summary: dict) -> str:
 
 
 def write(rows: list[dict], out: Path) -> None:
-    """results.json, results.md and the table in docs/parity.md (its results block replaced)."""
+    """results.json, and every docs block of the table rewritten from it."""
+    from experiments import check_results
     (out / "results.json").write_text(json.dumps(rows, indent=2))
-    (out / "results.md").write_text(table(rows))
-    if PAGE.exists():
-        PAGE.write_text(with_table(PAGE.read_text(), table(rows)))
-
-
-def with_table(page: str, rendered: str) -> str:
-    """`page` with its `<!-- results: loss_parity -->` block holding `rendered` (the markers must be there)."""
-    block = re.compile(r"(<!-- results: loss_parity -->\n).*?(<!-- /results -->)", re.S)
-    if not block.search(page):
-        raise ValueError(f"{PAGE} lacks the <!-- results: loss_parity --> ... <!-- /results --> block")
-    return block.sub(lambda m: m.group(1) + rendered + m.group(2), page)
+    for page, text in check_results.read_pages().items():
+        if "<!-- results: loss_parity -->" in text:
+            (ROOT / page).write_text(check_results.write(text))
 
 
 def _cell(value, fmt: str = ".2e") -> str:
@@ -114,7 +107,7 @@ def _cell(value, fmt: str = ".2e") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """results.md (the table of docs/parity.md) from results.json's rows."""
+    """The `loss_parity` results block, from results.json's rows."""
     lines = ["| variant | lingpack commit | steps | dtypes: lingpack / reference | lm loss first -> last "
              "| max rel diff | mean rel diff | MTP max rel diff | router z-loss max rel diff | target "
              "| first step over target "
@@ -130,13 +123,13 @@ def table(rows: list[dict]) -> str:
                      f"{_validation(r)} |")
     if any(r.get("val_evaluations") is None for r in rows):
         lines.append("\nnot evaluated: the run predates the reference's evaluation (rerun the variant to fill it).")
-    if any(r["variant"].endswith("(previous run)") for r in rows):
-        lines.append("\n(previous run): kept by --reuse from a run of an earlier version of this script and reference.")
+    if any(r["variant"].endswith(STALE) for r in rows):
+        lines.append(f"\n{STALE.strip()}: kept by --reuse from a run of an earlier version of this script and reference.")
     return "\n".join(lines) + "\n"
 
 
 def run_dir_of(variant: str, out: Path) -> Path:
-    return out / variant.removesuffix(" (previous run)").replace(" ", "_")
+    return out / variant.removesuffix(STALE).replace(" ", "_")
 
 
 def _validation(row: dict) -> str:
@@ -156,7 +149,8 @@ def _routing(run_dir: Path) -> dict:
     first, around = trace["first_flip"], trace.get("loss_rel_diff")
     if first is None:
         return {"flip": f"none in {trace['steps']} steps", "around_flip": "", "first_flip": None}
-    cells = {"flip": f"{first['step']} ({first['layer']}), {first['tokens']} tok, margin <= {first['lingpack_margin_max']:.1e}",
+    cells = {"flip": f"{first['step']} ({first['layer']}), {first['tokens']} tok,"
+                     f" margin <= {first['lingpack_margin_max']:.1e}",
              "around_flip": "", "first_flip": first}
     if around and around["max_before"] is not None:
         after = around["max_after"] if around["max_after"] is not None else around["at"]
@@ -178,22 +172,7 @@ def run_variant(run_dir: Path, overrides: list, tolerance: float, steps: int) ->
            *(o for o in overrides if not o.startswith("experiment="))]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
-    (run_dir / "commit.json").write_text(json.dumps({"commit": source_commit()}) + "\n")
-
-
-def source_commit() -> str:
-    """The commit of the code this script runs: git's HEAD (+ "-dirty" with uncommitted changes), or the COMMIT
-    file of a `git archive` snapshot."""
-    if (ROOT / ".git").exists():
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    if (ROOT / "COMMIT").exists():
-        return (ROOT / "COMMIT").read_text().strip()
-    raise RuntimeError(f"{ROOT} is neither a git checkout nor a snapshot with a COMMIT file: its runs would name "
-                       "no code")
+    (run_dir / "commit.json").write_text(json.dumps({"commit": commit()}) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """How far does a 1-ulp change of the initial weights carry in this training run? lingpack against itself.
 
-    python experiments/loss_parity/sensitivity.py [--steps 50] [--out experiments/loss_parity/results/sensitivity]
+    python -m experiments.loss_parity.sensitivity [--steps 50] [--out experiments/loss_parity/results/sensitivity]
 
 Trains the loss-parity configuration (fp32, MoE) twice with lingpack alone: once as is, once with every
 initial weight multiplied by (1 + s * 2^-23), s = +-1 at random (one unit in the last place). The
 per-step relative lm-loss difference between the two runs is the run's own sensitivity to rounding, the
-yardstick for the lingpack-vs-reference difference (`results.md`). Writes `sensitivity.csv` and `.json`.
+yardstick for the lingpack-vs-reference difference (`run_parity.py`). Writes `sensitivity.csv` and `.json`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
-"""Record what `make run` (= `python run.py`, the default config) does, as the README's figures.
+"""Record what `make run` (= `python run.py`, the default config) does: the `make_run` results block.
 
-    python experiments/make_run/run_default.py [--out experiments/make_run/results]
+    python -m experiments.make_run.run_default [--out experiments/make_run/results]
 
 Runs `run.py` with the default config (W&B off, run directory in a temporary folder), times the whole
 process (compilation included), and writes `summary.json` (the run's summary plus `wall_seconds`),
-`metrics.csv`, `loss.png` and `results.md` (the README's table) under `--out`.
+`metrics.csv` and `loss.png` under `--out`; `table(summary)` renders the results block.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,18 +19,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from experiments.provenance import commit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def table(summary: dict) -> str:
-    """The README's `make run` table from a summary.json."""
+    """The `make_run` results block, from summary.json."""
     return "\n".join([
-        "| steps | lm loss first -> last | tokens/s | wall time (compilation included) | packing parity (rel) "
-        "| phantom overhead |",
-        "|---:|---|---:|---:|---:|---:|",
-        f"| {summary['steps']} | {summary['first_lm_loss']:.2f} -> {summary['final_lm_loss']:.2f} | "
+        "| lingpack commit | steps | lm loss first -> last | tokens/s | wall time (compilation included) "
+        "| packing parity (rel) | phantom overhead |",
+        "|---|---:|---|---:|---:|---:|---:|",
+        f"| {summary.get('commit', '-')} | {summary['steps']} | "
+        f"{summary['first_lm_loss']:.2f} -> {summary['final_lm_loss']:.2f} | "
         f"{summary['tokens_per_s']:,.0f} | {summary['wall_seconds']:.0f} s | {summary['packing_parity_rel']:.1e} | "
-        f"{summary['phantom_overhead']:.2f} |"]) + "\n"
+        f"{summary['phantom_overhead']:.2f} |"]
+        + ([f"\n2 CPU cores; load average {summary['load_average_at_start']:.1f} when the run started (1.0 = one"
+            " core busy with other jobs)."] if "load_average_at_start" in summary else [])) + "\n"
 
 
 def main():
@@ -42,15 +48,14 @@ def main():
         cmd = [sys.executable, str(ROOT / "run.py"), "logger=none", "train.progress_bar=false",
                f"hydra.run.dir={tmp}/run"]
         print("$", " ".join(cmd), flush=True)
-        start = time.perf_counter()
+        load, start = os.getloadavg()[0], time.perf_counter()
         subprocess.run(cmd, cwd=ROOT, check=True)
         wall = time.perf_counter() - start
         summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
         for name in ("metrics.csv", "loss.png"):
             shutil.copy(Path(tmp) / "run" / name, out / name)
-    summary["wall_seconds"] = wall
+    summary.update(wall_seconds=wall, commit=commit(), load_average_at_start=load)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "results.md").write_text(table(summary))
     print(table(summary))
 
 

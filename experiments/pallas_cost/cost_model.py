@@ -1,4 +1,4 @@
-"""Cost model of the Pallas KDA kernels: pallas_varlen (the RFC's cu_seqlens layout) vs pallas_segment.
+"""Cost model of the Pallas KDA kernels: pallas_varlen (the aligned cu_seqlens layout) vs pallas_segment.
 
 Nothing here runs on a TPU. Each implementation's forward and gradient are traced (`jax.make_jaxpr`) at
 the production shape; for every `pallas_call` in the trace:
@@ -10,17 +10,21 @@ the production shape; for every `pallas_call` in the trace:
     consecutive block indices (fetched for inputs, written back for outputs), times its bytes.
 Per-step cost is independent of the segmentation; varlen's grid is static in T_new, so its cost grows
 with max_segs whatever the batch holds. The wrapper's XLA layout copies (transposes, the aligned scatter)
-are not included (see README). `--time` adds CPU interpret-mode wall times at a small shape: a sanity
-figure for the implementation, not a TPU measurement.
+are estimated apart (`layout_bytes`). `--time` adds CPU interpret-mode wall times at a small shape: a
+sanity figure for the implementation, not a TPU measurement.
 
-Budget table (before/after issue 17): per training call (forward + gradient) of each design and precision
-policy at T = 8K and 512K: grid steps, MXU FLOPs, bf16 MXU passes (an fp32 HIGHEST product = 6 passes, a
-bf16-operand one = 1) and each kernel's pipeline VMEM (every in/out block double-buffered + scratch) with
-the vmem_limit_bytes it sets. `--src DIR --label before` traces another checkout's `src` (e.g. the tree
-before issue 17, `git archive 16217d5 src | tar -x -C /tmp/before`) and writes only its budget rows.
+Budget table: per training call (forward + gradient) of each design and precision policy at T = 8K and
+512K: grid steps, MXU FLOPs, bf16 MXU passes (an fp32 HIGHEST product = 6 passes, a bf16-operand one = 1)
+and each kernel's pipeline VMEM (every in/out block double-buffered + scratch) with the vmem_limit_bytes it
+sets, for the code measured now and for the rows of another tree kept in results/budget_<label>.json. To
+trace another commit's kernels, put its `src` first on the path and write only its budget rows:
 
-    .venv/bin/python experiments/pallas_cost/cost_model.py [--time]   # writes results.json, results.md, readme.md
-    .venv/bin/python experiments/pallas_cost/cost_model.py --src /tmp/before/src --label before
+    python -m experiments.pallas_cost.cost_model [--time]     # writes results/results.json and budget_<commit>.json
+    git archive 16217d5 src | tar -x -C /tmp/old
+    PYTHONPATH=/tmp/old/src python -m experiments.pallas_cost.cost_model --budget-only --label 16217d5
+
+`summary` renders the `pallas_cost` results block of the docs and `markdown` the full `pallas_cost_detail`
+block of this folder's README, both from results/results.json.
 """
 
 from __future__ import annotations
@@ -29,14 +33,10 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).resolve().parents[2]
-SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else str(ROOT / "src")
-sys.path.insert(0, SRC)
 
 import jax  # noqa: E402
 import jax.extend  # noqa: E402
@@ -45,9 +45,13 @@ import numpy as np  # noqa: E402
 from jax._src.pallas import core as pallas_core  # noqa: E402
 from jax._src.state.discharge import discharge_state  # noqa: E402
 
+from experiments.provenance import commit  # noqa: E402
 from lingpack.kernels.kda import api, pallas_common, pallas_varlen, segments  # noqa: E402
 
-OUT = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parent / "results"
+# The recorded budget rows were labelled before labels named commits: the code each label measured.
+TREES = {"before": "16217d5", "after": "a1ec57f"}
+FP32_ONLY = {"before", "16217d5"}   # trees whose kernels had no precision policy: every matmul fp32 HIGHEST
 B, T, H, K, V, C = 1, 8192, 16, 128, 128, 64
 MAX_SEGS = [8, 16, 32, 64, 128]
 IMPLS = ["pallas_varlen", "pallas_segment"]
@@ -186,10 +190,10 @@ def budget_markdown(rows) -> str:
     lines = ["| tree | impl | matmul precision | T | grid steps | MXU GFLOP | bf16 MXU passes (G) | "
              "max kernel VMEM MiB | vmem_limit MiB |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        precision = "fp32 HIGHEST (all)" if r["label"] == "before" or r["precision"] == "highest" else \
+        precision = "fp32 HIGHEST (all)" if r["label"] in FP32_ONLY or r["precision"] == "highest" else \
             "bf16 bulk, fp32 cumsum + inverse"
         limit = "unset" if r["vmem_limit_bytes"] is None else f"{r['vmem_limit_bytes'] / 2**20:.0f}"
-        lines.append(f"| {r['label']} | {r['impl']} | {precision} | {r['T']} | {r['steps']} | "
+        lines.append(f"| {TREES.get(r['label'], r['label'])} | {r['impl']} | {precision} | {r['T']} | {r['steps']} | "
                      f"{r['mxu_flops'] / 1e9:.1f} | {r['mxu_pass_flops'] / 1e9:.1f} | "
                      f"{r['max_vmem_bytes'] / 2**20:.2f} | {limit} |")
     return "\n".join(lines) + "\n"
@@ -252,8 +256,11 @@ def layout_bytes(impl: str, t_buffer: int, train: bool) -> int:
 
 
 def markdown(results) -> str:
+    """The full report (the `pallas_cost_detail` block), from results.json."""
     seg = results["rows"][0]["pallas_segment"]["exact"]
-    lines = [f"Per call at B={B}, T={T}, H={H}, K=V={K}, bf16 inputs, chunk {C}, exact path (any g <= 0). `train` = "
+    code = TREES.get(results.get("commit", "after"), results.get("commit"))
+    lines = [f"Per call at B={B}, T={T}, H={H}, K=V={K}, bf16 inputs, chunk {C}, exact path (any g <= 0), the kernels"
+             f" at commit {code}. `train` = "
              "forward + backward (forward, state-recompute and reverse-gradient kernels). GFLOP = MXU matmul FLOPs as "
              "issued by the kernels; GB = kernel HBM traffic (every block the Pallas pipeline DMAs in or out); "
              "layout GB = the wrapper's XLA copies into the kernel layout and back (estimate, see cost_model.py).", "",
@@ -287,7 +294,7 @@ def markdown(results) -> str:
                          f"{k['vpu_ops'] / head_chunks / 1e6:.2f} | {k['transcendentals'] / head_chunks / 1e3:.0f} |")
     lines.append("")
     if results.get("budget"):
-        lines += ["Before/after issue 17, per training call (forward + states + gradient kernels) at B=1, H=16, "
+        lines += ["Per training call (forward + states + gradient kernels) of each recorded tree at B=1, H=16, "
                   "K=V=128, bf16 inputs, one document per row (the exact path; the fwd, states and bwd kernels):", "",
                   budget_markdown(results["budget"])]
     if "xla" in results:
@@ -310,21 +317,24 @@ def markdown(results) -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme_markdown(results) -> str:
-    """The README's two Pallas tables (before/after issue 17; segment-native vs cu_seqlens), from results.json."""
+def summary(results) -> str:
+    """The `pallas_cost` results block: each recorded tree's budget at 8K, and segment-native against cu_seqlens."""
     budget = {(r["label"], r["impl"], r["T"]): r for r in results["budget"] if r["precision"] == "by dtype"}
-    lines = ["| tree | impl | grid steps | MXU GFLOP | bf16 MXU passes (G) | max kernel VMEM at T=512K |",
+    labels = list(dict.fromkeys(r["label"] for r in results["budget"]))
+    lines = ["| tree (commit) | impl | grid steps | MXU GFLOP | bf16 MXU passes (G) | max kernel VMEM at T=512K |",
              "|---|---|---:|---:|---:|---:|"]
     for impl in ("pallas_segment", "pallas_varlen"):
-        for label in ("before", "after"):
+        for label in labels:
             short, long = budget[(label, impl, T)], budget[(label, impl, max(BUDGET_T))]
             growth = "constant" if long["max_vmem_bytes"] == short["max_vmem_bytes"] else "grows with T"
-            lines.append(f"| {'before issue 17' if label == 'before' else 'after'} | `{impl}`"
+            lines.append(f"| {TREES.get(label, label)} | `{impl}`"
                          f"{' (max_segs 64)' if impl == 'pallas_varlen' else ''} | {short['steps']} | "
                          f"{short['mxu_flops'] / 1e9:.1f} | {short['mxu_pass_flops'] / 1e9:.1f} | "
                          f"{long['max_vmem_bytes'] / 2**20:.1f} MiB ({growth}) |")
     seg = results["rows"][0]["pallas_segment"]["exact"]["train"]
-    lines += ["", "Segment-native against the RFC's cu_seqlens layout (forward+backward FLOPs / kernel bytes it saves):",
+    code = TREES.get(results.get("commit", "after"), results.get("commit"))
+    lines += ["", f"Segment-native against the aligned cu_seqlens layout at commit {code} (forward+backward FLOPs / "
+              "kernel bytes it saves):",
               "", "| max_segs | T_new/T | `pallas_varlen` GFLOP | `pallas_varlen` kernel GB | "
               "what `pallas_segment` saves (FLOPs / bytes) |", "|---:|---:|---:|---:|---:|"]
     for row in results["rows"]:
@@ -332,30 +342,23 @@ def readme_markdown(results) -> str:
         lines.append(f"| {row['max_segs']} | {row['t_new'] / T:.2f} | {v['mxu_flops'] / 1e9:.1f} | "
                      f"{v['hbm_bytes'] / 1e9:.2f} | {1 - seg['mxu_flops'] / v['mxu_flops']:.0%} / "
                      f"{1 - seg['hbm_bytes'] / v['hbm_bytes']:.0%} |")
-    lines.append(f"| `pallas_segment`, any count | 1.00 | {seg['mxu_flops'] / 1e9:.1f} | {seg['hbm_bytes'] / 1e9:.2f} | |")
+    lines.append(f"| `pallas_segment`, any count | 1.00 | {seg['mxu_flops'] / 1e9:.1f} |"
+                 f" {seg['hbm_bytes'] / 1e9:.2f} | |")
     return "\n".join(lines) + "\n"
-
-
-def write_reports(results) -> None:
-    """results.md (the full report) and readme.md (the README's tables, checked by experiments/check_results.py)."""
-    (OUT / "results.md").write_text(markdown(results))
-    (OUT / "readme.md").write_text(readme_markdown(results))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time", action="store_true", help="also time CPU interpret mode at a small shape")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA cost-analysis cross-check")
-    parser.add_argument("--src", help="trace this checkout's src instead (budget rows only)")
-    parser.add_argument("--label", default="after", help="name of the tree in the budget table")
-    parser.add_argument("--report", action="store_true", help="only rewrite results.md and readme.md from results.json")
+    parser.add_argument("--budget-only", action="store_true", help="only this tree's budget rows")
+    parser.add_argument("--label", default=None, help="name of the tree in the budget table (default: its commit)")
     args = parser.parse_args()
-    if args.report:
-        write_reports(json.loads((OUT / "results.json").read_text()))
-        return
-    budget = budget_rows(args.label)
-    (OUT / f"budget_{args.label}.json").write_text(json.dumps(budget, indent=1))
-    if args.src:
+    label = args.label or commit()
+    budget = budget_rows(label)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"budget_{label}.json").write_text(json.dumps(budget, indent=1))
+    if args.budget_only:
         return
     rows = []
     for max_segs in MAX_SEGS:
@@ -375,10 +378,10 @@ def main():
         results["xla"] = xla_chunked_costs()
     if args.time:
         results["interpret"] = interpret_timings()
-    before = OUT / "budget_before.json"
-    results["budget"] = (json.loads(before.read_text()) if before.exists() else []) + budget
+    others = [p for p in sorted(OUT.glob("budget_*.json")) if p.name != f"budget_{label}.json"]
+    results["budget"] = [r for p in others for r in json.loads(p.read_text())] + budget
+    results["commit"] = label
     (OUT / "results.json").write_text(json.dumps(results, indent=1))
-    write_reports(results)
     print(markdown(results))
 
 

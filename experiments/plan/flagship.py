@@ -2,7 +2,7 @@
 
     python -m experiments.plan.flagship                 # plan what is missing, then write the tables
     python -m experiments.plan.flagship --rerun         # plan everything again (e.g. after the model changed)
-    python -m experiments.plan.flagship --table-only    # re-render results/flagship.md and the docs blocks
+    python -m experiments.plan.flagship --table-only    # re-render the docs blocks from results/flagship.json
     python -m experiments.plan.flagship --only t8k/configured   # plan some keys only (the rest stays as it is)
 
 Scenarios (conf/model/ling3_flagship.yaml, kernel=pallas_segment, attention splash, 64 devices):
@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from experiments.provenance import commit
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/plan/results"
@@ -43,8 +44,6 @@ SCENARIOS = {
 }
 SEARCH = 4                      # meshes planned per scenario, the configured one first
 DEPTH_LAYERS = 9
-BLOCK = re.compile(r"(<!-- results: plan_flagship -->\n)(.*?)(<!-- /results -->)", re.S)
-PAGES = (ROOT / "docs/planning.md", ROOT / "experiments/plan/README.md")
 
 
 def mesh_overrides(parallel) -> list[str]:
@@ -56,11 +55,6 @@ def meshes(scenario: str) -> list[list[str]]:
     from lingpack import plan, plan_measure
     rc = plan.run_config(plan.compose(SCENARIOS[scenario], plan.find_conf_dir(str(ROOT / "conf"))))
     return [[]] + [mesh_overrides(p) for p in plan_measure.candidate_meshes(rc, DEVICES, SEARCH - 1)]
-
-
-def commit() -> str:
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "src") else "")
 
 
 def run_plan(overrides: list[str], timeout: int) -> dict:
@@ -152,15 +146,13 @@ def table(res: dict) -> str:
 
 
 def write(res: dict) -> None:
+    """The JSON artifact, and every docs block of the table rewritten from it."""
+    from experiments import check_results
     OUT.mkdir(parents=True, exist_ok=True)
     ARTIFACT.write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
-    block = table(res)
-    (OUT / "flagship.md").write_text(block)
-    for page in PAGES:
-        if page.exists():
-            text = page.read_text()
-            if BLOCK.search(text):
-                page.write_text(BLOCK.sub(lambda m: m.group(1) + block + m.group(3), text))
+    for page, text in check_results.read_pages().items():
+        if "<!-- results: plan_flagship -->" in text:
+            (ROOT / page).write_text(check_results.write(text))
 
 
 def main() -> int:

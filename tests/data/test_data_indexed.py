@@ -10,6 +10,7 @@ import struct
 import numpy as np
 import pytest
 
+from tests.optional import require
 from lingpack.data.indexed import (
     DTYPE_BY_CODE,
     IndexedDataset,
@@ -41,8 +42,8 @@ def test_round_trip_every_dtype_code(tmp_path, code):
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.int64, np.uint8])
 def test_byte_identical_to_megatron_and_readable_by_it(tmp_path, dtype):
-    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
-    torch = pytest.importorskip("torch")
+    indexed = require("megatron.core.datasets.indexed_dataset")
+    torch = require("torch")
     documents = _documents(dtype, seed=1)
     ours = write_indexed_dataset(str(tmp_path / "ours"), documents, dtype)
     builder = indexed.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=dtype)

@@ -8,16 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lingpack.data import indices as ix
+from tests.optional import require
 
-megatron_helpers = pytest.importorskip("megatron.core.datasets.helpers")
+
+@pytest.fixture(scope="module")
+def megatron_helpers():
+    return require("megatron.core.datasets.helpers")
 
 
 @pytest.mark.parametrize("split", ["969,30,1", "98,2,0", "1,0,0", "0.9, 0.1", "1/1/1", "3,0,7"])
 def test_split_matches_megatron(split):
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
+    config = require("megatron.core.datasets.blended_megatron_dataset_config")
+    convert_split_vector_to_split_matrix = config.convert_split_vector_to_split_matrix
+    parse_and_normalize_split = config.parse_and_normalize_split
 
     assert ix.parse_split(split) == parse_and_normalize_split(split)
     assert ix.split_bookends(split) == convert_split_vector_to_split_matrix(
@@ -39,7 +42,7 @@ def test_bad_split_strings(split):
 
 
 def test_blend_parsing_matches_megatron_and_rejects_garbage():
-    from megatron.core.datasets.utils import get_blend_from_list
+    get_blend_from_list = require("megatron.core.datasets.utils").get_blend_from_list
 
     for words in (["a"], ["a", "b"], ["30", "a", "70", "b"], ["0.25", "x", "0.75", "y"]):
         assert ix.parse_blend(words) == get_blend_from_list(words)
@@ -54,10 +57,9 @@ def test_blend_parsing_matches_megatron_and_rejects_garbage():
 
 
 def test_weight_normalisation_is_float64_like_megatron():
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        _get_size_per_split_per_dataset,
-    )
-    from megatron.core.datasets.utils import normalize
+    _get_size_per_split_per_dataset = require(
+        "megatron.core.datasets.blended_megatron_dataset_builder")._get_size_per_split_per_dataset
+    normalize = require("megatron.core.datasets.utils").normalize
 
     weights = [0.1, 0.2, 0.3000000001, 1e-7]
     assert ix.normalize_weights(weights) == normalize(weights)
@@ -73,7 +75,7 @@ def test_weight_normalisation_is_float64_like_megatron():
     weights=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=5),
     size=st.integers(1, 3000),
 )
-def test_blending_indices_match_megatron_cpp(weights, size):
+def test_blending_indices_match_megatron_cpp(megatron_helpers, weights, size):
     normalized = ix.normalize_weights(weights)
     dataset_index = np.zeros(size, dtype=np.int16)
     dataset_sample_index = np.zeros(size, dtype=np.int64)
@@ -87,7 +89,7 @@ def test_blending_indices_match_megatron_cpp(weights, size):
 
 @settings(max_examples=30, deadline=None)
 @given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=4))
-def test_exhaustive_blending_matches_megatron_cpp(sizes):
+def test_exhaustive_blending_matches_megatron_cpp(megatron_helpers, sizes):
     total = sum(sizes)
     dataset_index = np.zeros(total, dtype=np.int16)
     dataset_sample_index = np.zeros(total, dtype=np.int64)
@@ -106,7 +108,7 @@ def test_exhaustive_blending_matches_megatron_cpp(sizes):
     num_epochs=st.integers(1, 3),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_sample_index_matches_megatron_cpp(lengths, seq_length, num_epochs, seed):
+def test_sample_index_matches_megatron_cpp(megatron_helpers, lengths, seq_length, num_epochs, seed):
     """Random document lengths, empty documents included, several epochs."""
     sizes = np.asarray(lengths, dtype=np.int32)
     tokens_per_epoch = int(sizes.sum())

@@ -7,7 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-pytest.importorskip("megatron.core.datasets.gpt_dataset")
+from tests.optional import require
+
+require("megatron.core.datasets.gpt_dataset")
 
 from data_helpers import EOD, PAD, VOCAB, assert_matches_megatron, megatron_datasets, write_corpus
 

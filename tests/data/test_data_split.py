@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lingpack.data.split import BATCH_KEYS, SplitOptions, split_window
+from tests.optional import require
 
 E, P = 9, 1  # EOD and pad ids for the hand-worked cases
 
@@ -73,7 +74,7 @@ def test_batched_equals_rowwise():
 
 
 def _megatron_reference(window, eod, pad, eod_mask_loss, reset_attention_mask, reset_position_ids):
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     tokens = torch.from_numpy(window[:-1].astype(np.int64))
@@ -102,7 +103,7 @@ def test_matches_megatron_masks_and_positions(
 ):
     """Random document layouts (length-1 documents, a window starting mid-document, trailing pad):
     our loss mask and positions equal megatron-core's, and segment ids encode its attention mask."""
-    pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    require("megatron.core.datasets.gpt_dataset")
     eod, pad = 3, 2
     stream = np.concatenate([np.append(np.full(n - 1, 7), eod) for n in lengths] * 8)[offset:]
     window = stream[: seq_length + 1 - trailing_pad]

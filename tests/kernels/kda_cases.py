@@ -1,10 +1,9 @@
 """Shared inputs and oracles for every KDA implementation's tests."""
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 
-from lingpack.parity.fla import fla_gate_functions  # noqa: F401  (the gate oracle, shared with the parity reference)
+# shared with the benchmarks, so they live in the package
+from lingpack.kernels.kda.inputs import random_inputs as make_inputs  # noqa: F401
+from lingpack.parity.fla import fla_gate_functions, fla_naive_kda as fla_naive_module  # noqa: F401
 
 
 def xla_impls():
@@ -16,31 +15,6 @@ def xla_impls():
 def pallas_impls():
     from lingpack.kernels.kda import api
     return [name for name in api.names() if name.startswith("pallas")]
-
-
-def fla_naive_module(float64: bool = False):
-    """FLA's fla/ops/kda/naive.py loaded by file path (FLA's package import needs triton); `float64`: its float32
-    upcasts made float64 (lingpack.parity.widen)."""
-    spec = importlib.util.find_spec("fla")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
-    if float64:
-        from lingpack.parity.widen import module_at
-        return module_at(path, "fla_kda_naive_float64")
-    module_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
-
-
-def make_inputs(rng, B, T, H, K, V, dtype=np.float32, gate_scale=1.0):
-    """q, k (unit norm), v, g <= 0, beta in (0,1): the regime KDA layers feed the kernel."""
-    q = rng.standard_normal((B, T, H, K)).astype(np.float32)
-    k = rng.standard_normal((B, T, H, K)).astype(np.float32)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, T, H, V)).astype(np.float32)
-    g = (-gate_scale * np.abs(rng.standard_normal((B, T, H, K)))).astype(np.float32)
-    beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H))))).astype(np.float32)
-    return [x.astype(dtype) for x in (q, k, v, g, beta)]
 
 
 def segments_from_lengths(rows, T):

@@ -20,7 +20,7 @@ def test_fla_convention_examples():
 
 
 def test_row_boundary_ends_a_segment_even_with_equal_ids():
-    # the seed RFC's flat `flat[1:] != flat[:-1]` misses this boundary and mixes the two rows
+    # comparing flattened neighbours (`flat[1:] != flat[:-1]`) misses this boundary and mixes the two rows
     assert cu([[1, 1, 1], [1, 1, 1]], 4) == ([0, 3, 6, 6, 6], 2)
     assert cu([[1, 2, 2], [2, 2, 0]], 4) == ([0, 1, 3, 6, 6], 3)
 

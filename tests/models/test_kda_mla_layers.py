@@ -5,16 +5,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from lingpack.models.kda import KDA, KDAConfig, KDAKernel
 from lingpack.models.mla import MLA, MLAConfig
 from lingpack.parity.convert import hf_gated_norm_activation
 from packing_cases import documents, packed_batch, per_document_batch
+from tests.optional import lazy
 
-hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-from transformers import KimiLinearConfig  # noqa: E402
+torch = lazy("torch")
+hf = lazy("transformers.models.kimi_linear.modeling_kimi_linear")
+KimiLinearConfig = lazy("transformers", "KimiLinearConfig")
 
 D = 32
 ROWS, T = [[5, 1, 30, 20], [64], [16, 3]], 64
@@ -61,7 +62,7 @@ def _hf_kda(ours: KDA, cfg: KDAConfig):
         layer.o_norm.weight.copy_(_t(ours.o_norm.weight))
         convs = [_t(c.kernel) for c in (ours.q_conv, ours.k_conv, ours.v_conv)]
         layer.conv1d.weight.copy_(torch.cat(convs, dim=1).T[:, None, :])
-    if cfg.lower_bound is not None:  # transformers has no safe gate: the REFERENCE.md §1 formula, in torch
+    if cfg.lower_bound is not None:  # transformers has no safe gate: docs/design.md#kda-gates, in torch
         fg = layer.forget_gate
 
         def safe_gate(self, x):

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from lingpack.kernels.kda import gate
@@ -18,8 +17,10 @@ from lingpack.models.ling3 import Ling3
 from lingpack.parity import convert
 from tests.kernels.kda_cases import fla_gate_functions, fla_naive_module
 from tests.models.test_parity_kimi import kimi_like_config
+from tests.optional import require
 
-transformers = pytest.importorskip("transformers")
+torch = require("torch")
+transformers = require("transformers")
 H, K = 3, 8
 
 

@@ -3,13 +3,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from lingpack.models.layers import GatedRMSNorm, RMSNorm, ShortConvolution, apply_rope, segment_causal_conv
 from packing_cases import documents, packed_batch
+from tests.optional import lazy, require
 
-hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+torch = lazy("torch")
+hf = lazy("transformers.models.kimi_linear.modeling_kimi_linear")
 rng = np.random.default_rng(0)
 
 
@@ -44,7 +45,7 @@ def _cos_sin(positions, dim, theta=10000.0):
 
 
 def test_rope_half_split_matches_llama():
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    apply_rotary_pos_emb = require("transformers.models.llama.modeling_llama").apply_rotary_pos_emb
     x = rng.standard_normal((2, 7, 3, 16)).astype(np.float32)
     pos = np.array([[0, 1, 2, 0, 1, 0, 5], [3, 4, 5, 6, 7, 8, 9]])   # restarting per document
     cos, sin = _cos_sin(pos, 16)
@@ -55,7 +56,8 @@ def test_rope_half_split_matches_llama():
 def test_rope_interleaved_partial_matches_deepseek():
     """DeepSeek's interleaved pairs; transformers returns them de-interleaved (evens then odds), a fixed
     permutation shared by q and k, so we compare after applying it. Features past rotary_dim pass through."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+    apply_rotary_pos_emb_interleave = require(
+        "transformers.models.deepseek_v3.modeling_deepseek_v3").apply_rotary_pos_emb_interleave
     x = rng.standard_normal((2, 7, 3, 16)).astype(np.float32)
     pos = np.array([[0, 1, 2, 0, 1, 0, 5], [30, 4, 5, 6, 7, 8, 900]])
     cos, sin = _cos_sin(pos, 8)

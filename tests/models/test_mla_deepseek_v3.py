@@ -6,14 +6,15 @@ positions from 0, a causal mask); lingpack runs the packed rows with restarting 
 import jax
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from lingpack.models.mla import MLA, MLAConfig
 from lingpack.parity import convert
 from tests.kernels.kda_cases import segments_from_lengths
+from tests.optional import require
 
-transformers = pytest.importorskip("transformers")
+torch = require("torch")
+transformers = require("transformers")
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # noqa: E402
 
 D = 40

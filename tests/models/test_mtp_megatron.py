@@ -11,16 +11,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from lingpack.models.mtp import mtp_targets, roll_and_mask_by_segment
 from lingpack.train import loss as L
 from lingpack.train.configs import LossConfig
 from packing_cases import packed_batch
+from tests.optional import require
+
+torch = require("torch")
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    mtp_module = pytest.importorskip("megatron.core.transformer.multi_token_prediction")
+    mtp_module = require("megatron.core.transformer.multi_token_prediction")
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from lingpack.models.kda import KDAConfig
@@ -13,8 +12,10 @@ from lingpack.models.ling3 import Ling3, Ling3Config
 from lingpack.models.mla import MLAConfig
 from lingpack.models.moe import MoEConfig
 from lingpack.parity import convert
+from tests.optional import require
 
-transformers = pytest.importorskip("transformers")
+torch = require("torch")
+transformers = require("transformers")
 
 
 def kimi_like_config(**overrides) -> Ling3Config:

@@ -1,5 +1,5 @@
 """One Ling3 train step (KDA state passing + conv halo + MTP rolls + ring MLA) under context parallelism
-== the single-device step: loss, every gradient and the updated parameters (issue 11)."""
+== the single-device step: loss, every gradient and the updated parameters."""
 import jax
 import numpy as np
 import pytest

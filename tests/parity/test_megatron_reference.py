@@ -3,11 +3,13 @@ reductions) vs train/loss.py."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from lingpack.parity.megatron_reference import megatron_objective
 from lingpack.train import loss as loss_lib
 from lingpack.train.configs import LossConfig
+from tests.optional import require
+
+torch = require("torch")
 
 B, T, V, L, E, M = 4, 5, 7, 2, 4, 2
 

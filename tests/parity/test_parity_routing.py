@@ -118,7 +118,7 @@ def test_trace_reports_an_injected_flip_and_none_without_one(trained, tmp_path):
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="measured 1.0e-3 at step 50: past step ~24 the two sides drift apart with "
                    "routing locked too, as lingpack does from a 1-ulp change of its own initial weights "
-                   "(experiments/loss_parity/sensitivity.py); see the README's loss parity section")
+                   "(experiments/loss_parity/sensitivity.py); see docs/parity.md")
 def test_routing_locked_fifty_step_parity(tmp_path):
     from lingpack.parity.harness import RoutingRecorder, run_parity
     from lingpack.train import loop

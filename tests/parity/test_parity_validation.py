@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.optional import require
 from tests.parity.test_parity_harness import parity_config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
 
 
 def test_reference_evaluation_reads_lingpacks_valid_and_test_samples(tmp_path):
-    pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    require("megatron.core.datasets.gpt_dataset")
     from data_helpers import assert_matches_megatron
 
     from lingpack.parity.megatron_reference import eval_sample_range, megatron_datasets

@@ -13,7 +13,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from omegaconf import OmegaConf
 
@@ -23,8 +22,11 @@ from lingpack.train import loss as loss_lib
 from lingpack.train import step as step_lib
 from lingpack.train.configs import LossConfig, OptimConfig
 
-pytest.importorskip("transformers")
-gpt_dataset = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+from tests.optional import require
+
+torch = require("torch")
+require("transformers")
+gpt_dataset = require("megatron.core.datasets.gpt_dataset")
 from lingpack.parity import reference_model  # noqa: E402  (needs torch + transformers)
 from lingpack.parity.megatron_reference import MegatronReferenceTrainer  # noqa: E402
 

@@ -21,6 +21,7 @@ from lingpack.train import loss as loss_lib
 from lingpack.train.configs import LossConfig, TrainConfig
 from lingpack.train.step import split_model
 from lingpack.train.evaluate import eval_dataset, eval_metrics, make_eval_step, megatron_line, split_sample_counts
+from tests.optional import require
 
 
 def test_split_sizes_follow_megatron():
@@ -31,7 +32,7 @@ def test_split_sizes_follow_megatron():
 
 
 def test_valid_and_test_batches_are_megatron_samples(tmp_path, monkeypatch):
-    pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    require("megatron.core.datasets.gpt_dataset")
     import torch.distributed
     from data_helpers import EOD, PAD, VOCAB, assert_matches_megatron, megatron_datasets, write_corpus
 

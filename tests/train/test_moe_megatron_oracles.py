@@ -10,16 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from lingpack.models.moe import MoE, MoEConfig, update_expert_bias
 from lingpack.train import loss as L
 from lingpack.train.configs import LossConfig
+from tests.optional import require
+
+torch = require("torch")
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    moe_utils = require("megatron.core.transformer.moe.moe_utils")
 
 CFG = MoEConfig(num_experts=8, top_k=2, expert_dim=8, num_shared_experts=0, n_groups=1, topk_groups=1)
 D, COEF = 16, 0.05   # large enough that the z-term is not lost in the fp32 objective it is read from

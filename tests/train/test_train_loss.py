@@ -12,8 +12,7 @@ import pytest
 from lingpack.models.mtp import mtp_loss_terms
 from lingpack.train import loss as L
 from lingpack.train.configs import LossConfig
-
-torch = pytest.importorskip("torch")
+from tests.optional import require
 
 
 def _batch(targets, mask, seg=None):
@@ -89,6 +88,7 @@ def _random_case(seed, M=3, G=2, rows=2, T=6, V=11, D=5):
 
 def _megatron_torch(x, theta, targets, mask, M, G, cptl):
     """pretrain_gpt.loss_func + schedules.forward_step_calc_loss + DDP / finalize_model_grads, per rank."""
+    torch = require("torch")
     B, T, _ = x.shape
     rows = B // (M * G)
     theta = torch.tensor(theta, dtype=torch.float64)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import jax
@@ -14,20 +13,13 @@ import pytest
 from lingpack import precision
 from lingpack.train.configs import OptimConfig
 from lingpack.train.optim import applies_weight_decay, decay_mask, learning_rate, make_optimizer, resolve
-
-torch = pytest.importorskip("torch")
-
-
-def _require_megatron():
-    """Skip only when megatron-core is not installed (no `parity` extra); an installed one that fails to import fails."""
-    if importlib.util.find_spec("megatron") is None:
-        pytest.skip("megatron-core is not installed (pip install -e '.[parity]')")
+from tests.optional import require
 
 
 def _megatron_scheduler(cfg: OptimConfig, optimizer):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        OptimizerParamScheduler = require("megatron.core.optimizer_param_scheduler").OptimizerParamScheduler
     return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr,
                                    lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=cfg.decay_steps,
                                    lr_decay_style=cfg.schedule, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
@@ -38,7 +30,7 @@ def _megatron_scheduler(cfg: OptimConfig, optimizer):
 @pytest.mark.parametrize("schedule,warmup", [("cosine", 3), ("linear", 3), ("constant", 2), ("cosine", 0)])
 def test_schedule_matches_megatron(schedule, warmup, master_dtype, rtol):
     """fp32, or float64 (as Megatron's Python floats, to 1 ulp) for float64 master weights."""
-    _require_megatron()
+    torch = require("torch")
     cfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=warmup, decay_steps=10, schedule=schedule,
                       master_dtype=master_dtype)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -69,7 +61,7 @@ def test_decay_mask():
 
 @pytest.mark.parametrize("clip", [0.5, 0.0])
 def test_adamw_clip_matches_torch(clip):
-    _require_megatron()
+    torch = require("torch")
     rng = np.random.default_rng(1)
     params = _params(rng)
     grads = [jax.tree.map(lambda p: rng.normal(size=p.shape) * 3.0, params) for _ in range(6)]

@@ -105,14 +105,16 @@ def test_bf16_compute_fp32_master():
     tree_allclose({k: v for k, v in g.items() if k != "up"}, {k: v for k, v in g32.items() if k != "up"}, 0, 0)
 
 
-def test_eval_loss_matches_step_objective(setup):
-    from lingpack.train.step import eval_loss
+def test_evaluation_sums_what_training_sums(setup):
+    # evaluate.make_eval_step runs the training step's forward and loss statistics without the update
+    from lingpack.train.evaluate import STAT_KEYS, make_eval_step
     model_def, _, state, batch = setup
     cfg = LossConfig(megatron_dp_size=2)
-    _, stats = _grads(model_def, state, batch, cfg, 2)
-    metrics = eval_loss(model_def, state, batch, cfg, micro_batches=2)
-    np.testing.assert_allclose(metrics["loss"], stats["objective"], rtol=1e-5)
-    np.testing.assert_allclose(metrics["lm_loss"], stats["lm_sum"] / stats["lm_tokens"], rtol=1e-5)
+    _, train_stats = _grads(model_def, state, batch, cfg, 2)
+    eval_stats = make_eval_step(model_def, cfg, micro_batches=2)(state.params, state.rest, batch)
+    assert float(train_stats["lm_tokens"]) > 0 and np.asarray(eval_stats["mtp_sum"]).size > 0
+    for key in STAT_KEYS:
+        np.testing.assert_allclose(eval_stats[key], train_stats[key], rtol=1e-5, err_msg=key)
 
 
 def test_micro_batch_errors(setup):

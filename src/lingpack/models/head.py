@@ -39,7 +39,7 @@ def head_matmul(h_BTD: jax.Array, w_DV: jax.Array) -> jax.Array:
 
     The VJP is autodiff's, except that the weight gradient contracts a materialised h^T [D, B, T] with the
     logit gradient. Left alone, XLA:CPU folds that transpose into the dot and copies the [B, T, V] gradient
-    transposed for a slower kernel instead (`experiments/bench_train.py --head-ab`). Reverse mode only (no jvp).
+    transposed for a slower kernel instead (docs/kernels.md#vocabulary-head). Reverse mode only (no jvp).
     """
     return h_BTD @ w_DV
 

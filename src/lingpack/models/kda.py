@@ -1,4 +1,4 @@
-"""The Kimi Delta Attention layer (REFERENCE.md §2), exact under packing through `segment_ids`.
+"""The Kimi Delta Attention layer (docs/design.md#kda-layer), exact under packing through `segment_ids`.
 
     q, k, v = silu(conv_q(q_proj x)), silu(conv_k(k_proj x)), silu(conv_v(v_proj x))   (segment-masked convs)
     g       = gate(f_b_proj(f_a_proj x); A_log, dt_bias)     softplus form, or the safe form with lower_bound

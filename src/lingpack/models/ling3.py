@@ -3,11 +3,11 @@
 Logits, routing and every statistic are fp32 whatever the compute dtype, float64 when it is float64 (dtypes
 `lingpack.precision.DTYPES`; float64 runs in JAX's x64 mode).
 
-Layer pattern (REFERENCE.md §3): layer i (0-indexed) is MLA iff (i + 1) % inhomogeneous_layer_cycle_interval
-== 0, else KDA; layers i < first_dense_layers use a dense SwiGLU (mlp_dim), the rest MoE. MTP layers are
-MLA. Every input is packed: `segment_ids` (1, 2, 3... per row, 0 = padding) keep documents apart in
-every mixer (KDA state, short conv, attention mask, MTP rolls); `positions` (restarting per document)
-drive RoPE.
+Layer pattern (docs/design.md#ling3-layer-pattern): layer i (0-indexed) is MLA iff
+(i + 1) % inhomogeneous_layer_cycle_interval == 0, else KDA; layers i < first_dense_layers use a dense
+SwiGLU (mlp_dim), the rest MoE. MTP layers are MLA. Every input is packed: `segment_ids` (1, 2, 3... per
+row, 0 = padding) keep documents apart in every mixer (KDA state, short conv, attention mask, MTP rolls);
+`positions` (restarting per document) drive RoPE.
 
 Logical axis names on parameters (mapped to mesh axes by `train/sharding.py`):
   vocab    vocabulary (embedding rows, output head columns)

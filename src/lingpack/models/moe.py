@@ -7,7 +7,7 @@ unbiased scores, optionally renormalised (`norm_topk_prob`), times `routed_scali
 Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
 token is ever dropped: `jax.lax.ragged_dot` on TPU (XLA:TPU's grouped matmul), `tiled_grouped_matmul` on
 CPU and GPU, where XLA expands ragged_dot into a dense dot of every row against every expert (E times the
-work). bench_train.py measured that on CPU; on NVIDIA GPUs the expansion is
+work; docs/kernels.md#moe-grouped-matmul measures it on CPU); on NVIDIA GPUs the expansion is
 openxla/xla:xla/hlo/transforms/expanders/ragged_dot_rewriter.cc, unless an experimental cuDNN flag is set.
 Shared experts see every token. Under context parallelism every device dispatches its own tokens; with the
 experts split over axes that also split the tokens (`parallel.expert`), the assignments travel to the

@@ -12,7 +12,7 @@ hidden state, before the final norm, for d = 0) with the embedding of input toke
 then the shared final norm and output head. The block is an MLA layer (dense or MoE ffn) that attends
 with the UN-rolled segment ids and positions, so no document sees another.
 
-Loss (what the training loss module should do, REFERENCE.md §3):
+Loss (docs/design.md#mtp; train/loss.py computes it):
     for each d: tgt, mask = mtp_targets(targets, targets_segmentation, d, segment_ids=inputs_segmentation)
                L_d = sum(xent(mtp_logits[d], tgt) * mask) / sum(mask)      (each depth its own count)
     mtp_loss = loss_scale * mean_d L_d          (loss_scale = MTPConfig.loss_scale, 0.1)

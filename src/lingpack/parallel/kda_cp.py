@@ -1,4 +1,4 @@
-"""KDA context parallelism: exact state passing over the `context` mesh axis (REFERENCE.md §6).
+"""KDA context parallelism: exact state passing over the `context` mesh axis (docs/design.md#context-parallelism).
 
 Every device holds one block of each row (two under zigzag: global chunks r and 2N-1-r, see reorder.py).
 The KDA update is affine in the incoming state, so a block is summarised by
@@ -16,8 +16,9 @@ Composition: the summaries [S0 | M] and each block's first / last segment id are
 ids) and every device folds them in sequence order, S <- M_b (S if block b continues the previous
 block's last document else 0) + S0_b, so a document boundary at a block boundary cuts the dependence too.
 An all-gather rather than a log2(N) ppermute scan: one collective instead of log2(N) + 1 dependent ones.
-The scan moves fewer bytes and chains fewer matmuls (experiments/context_parallel/fold_vs_scan.py: 0.2x
-the fold's time on fake CPU devices, where collectives are memcpys): worth measuring on real hardware.
+The scan moves fewer bytes and chains fewer matmuls (0.2x the fold's time on fake CPU devices, where
+collectives are memcpys: docs/parallelism.md#the-whole-model-under-cp-memory-and-collectives): worth
+measuring on real hardware.
 Gradients (q, k, v, g, beta, the gate parameters, the initial state) come from autodiff through the
 kernel, the fold and the all-gather (whose transpose is a reduce-scatter): exact, tested against one device.
 """

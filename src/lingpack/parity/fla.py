@@ -1,4 +1,4 @@
-"""FLA's pure-torch KDA gate functions, loaded without FLA's package import (which needs triton)."""
+"""FLA's pure-torch KDA oracles, loaded without FLA's package import (which needs triton)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,27 @@ import ast
 import functools
 import importlib.util
 from pathlib import Path
+
+
+def _fla_file(*parts: str) -> Path:
+    spec = importlib.util.find_spec("fla")
+    if spec is None:
+        raise ImportError("FLA (PyPI fla-core) is not installed; it provides the KDA oracles: pip install fla-core")
+    return Path(spec.submodule_search_locations[0]).joinpath(*parts)
+
+
+def fla_naive_kda(float64: bool = False):
+    """FLA's `fla/ops/kda/naive.py` as a module of its own (`naive_recurrent_kda`, `naive_chunk_kda`): a file that
+    imports only torch, loaded by path so that FLA's package `__init__` (which imports triton) never runs.
+    `float64`: its float32 upcasts made float64 (`parity/widen.py`)."""
+    path = _fla_file("ops", "kda", "naive.py")
+    if float64:
+        from lingpack.parity.widen import module_at
+        return module_at(path, "fla_kda_naive_float64")
+    module_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 @functools.lru_cache(maxsize=None)
@@ -16,10 +37,7 @@ def fla_gate_functions(float64: bool = False) -> dict:
     with torch and torch.nn.functional, the only names they use. `float64`: their float32 upcasts (`.float()`,
     the default `output_dtype=torch.float32`) made float64 (`parity/widen.py`)."""
     import torch
-    spec = importlib.util.find_spec("fla")
-    if spec is None:
-        raise ImportError("FLA (PyPI fla-core) is not installed; it provides the KDA gate oracle: pip install fla-core")
-    path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "gate.py"
+    path = _fla_file("ops", "kda", "gate.py")
     tree = ast.parse(path.read_text())
     wanted = {"naive_kda_gate", "naive_kda_lowerbound_gate"}
     functions = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted]

@@ -1,4 +1,4 @@
-"""Training losses with Megatron-LM's reduction semantics (REFERENCE.md §4).
+"""Training losses with Megatron-LM's reduction semantics (docs/design.md#megatron-loss-reduction).
 
 A step's global batch of B rows is split into M micro-batches of B/M rows (`step.py` scans over them);
 each micro-batch's rows split further into G = `megatron_dp_size` contiguous groups, Megatron's
@@ -85,8 +85,9 @@ def micro_batch_loss(logits_BTV: jax.Array, mtp_logits: list, moe_aux: dict | No
     """(this micro-batch's share of the step objective, additive statistics) for one micro-batch.
 
     `logits_BTV` and each of `mtp_logits`: fp32 [B, T, V] logits, or the model's unevaluated `LMHead`
-    (models/head.py: its cross-entropy may run one vocabulary chunk at a time). Summing the first output over the step's micro-batches gives the objective (the module docstring);
-    the statistics add up across micro-batches and go to `metrics`.
+    (models/head.py: its cross-entropy may run one vocabulary chunk at a time). Summing the first output
+    over the step's micro-batches gives the objective (the module docstring); the statistics add up across
+    micro-batches and go to `metrics`.
     """
     M, G = num_micro_batches, cfg.megatron_dp_size
     mask_BT = loss_mask(batch)

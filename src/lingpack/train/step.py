@@ -272,8 +272,17 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
             params_shardings=None if shardings is None else shardings.params, context=context,
             trace_routing=trace_routing)
         grad_norm = global_norm(grads)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        loss_metrics = loss_lib.metrics(stats, loss_cfg, num_micro_batches=M)
+        finite = jnp.isfinite(loss_metrics["loss"]) & jnp.isfinite(grad_norm)
+        applied = finite & (stats["dropped_documents"] == 0) if halt_on_overflow else finite
+
+        def update(params, opt_state):
+            updates, new_opt = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt
+
+        # a bad step leaves params and moments unchanged: a cond, not where(applied, new, old) per leaf, so the
+        # update's elementwise fusions may overwrite the donated buffers (the where kept old and new of each alive)
+        new_params, new_opt = jax.lax.cond(applied, update, lambda p, o: (p, o), state.params, state.opt_state)
         new_rest = state.rest
         if bias_rate > 0 and stats["load_counts"].size:
             from lingpack.models.moe import update_expert_bias
@@ -281,13 +290,9 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
             update_expert_bias(model, stats["load_counts"], bias_rate)  # global-batch loads, outside the gradient
             new_rest = nnx.split(model, nnx.Param, ...)[2].to_pure_dict()
 
-        loss_metrics = loss_lib.metrics(stats, loss_cfg, num_micro_batches=M)
-        finite = jnp.isfinite(loss_metrics["loss"]) & jnp.isfinite(grad_norm)
-        applied = finite & (stats["dropped_documents"] == 0) if halt_on_overflow else finite
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)  # bad step: no change
         new_state = TrainState(step=state.step + 1, updates=state.updates + applied.astype(jnp.int32),
-                               params=keep(new_params, state.params), rest=keep(new_rest, state.rest),
-                               opt_state=keep(new_opt, state.opt_state),
+                               params=new_params, rest=keep(new_rest, state.rest), opt_state=new_opt,
                                rng=keep(jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)),
                                         state.rng))
         metrics = dict(loss_metrics, grad_norm=grad_norm, lr=lr_fn(state.updates), finite=finite.astype(jnp.int32),
@@ -303,24 +308,3 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
         kwargs = dict(in_shardings=(shardings, NamedSharding(mesh, shard_lib.batch_spec(mesh, rules))),
                       out_shardings=(shardings, None))
     return jax.jit(step, donate_argnums=(0,) if donate else (), **kwargs)
-
-
-def eval_loss(model_def: ModelDef, state: TrainState, batch: dict, loss_cfg: LossConfig, *,
-              micro_batches: int = 1) -> dict:
-    """Loss metrics of one batch without an update (the same reduction as training)."""
-    model_cfg = model_def.config
-    moe_z_weight, _ = _moe_rate_and_weight(loss_cfg, model_cfg)
-    depths = getattr(model_cfg, "mtp_num_layers", 0) or 0
-    B = batch["inputs"].shape[0]
-    micro = {k: jnp.asarray(v).reshape(micro_batches, B // micro_batches, *v.shape[1:]) for k, v in batch.items()}
-    micro, _ = drop_overflow(micro, kernel_max_segs(model_cfg))
-    totals = loss_lib.totals(micro, depths)
-    model = model_def.merge(state.params, state.rest)
-    stats_sum = None
-    for m in range(micro_batches):
-        mb = {k: v[m] for k, v in micro.items()}
-        out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
-        _, stats = loss_lib.micro_batch_loss(out.head, list(out.mtp_heads), out.moe_aux, mb, loss_cfg, totals,
-                                             num_micro_batches=micro_batches, moe_z_loss_weight=moe_z_weight)
-        stats_sum = stats if stats_sum is None else jax.tree.map(jnp.add, stats_sum, stats)
-    return loss_lib.metrics(stats_sum, loss_cfg, num_micro_batches=micro_batches)

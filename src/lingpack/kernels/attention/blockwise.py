@@ -5,8 +5,8 @@ token index `[n]`: the token's place in the ORIGINAL row order (not its place in
 the mask `allowed(...)` stays right when the row is zigzag-reordered or a key block arrived from
 another device. Query i may attend key j iff seg_i == seg_j != 0 and (not causal or index_j <= index_i).
 
-Numerics (REFERENCE.md §6): m, l, the output accumulator, lse and every gradient accumulator are fp32 (float64
-for float64 inputs: `precision.at_least_fp32`);
+Numerics (docs/design.md#blockwise-softmax-attention): m, l, the output accumulator, lse and every gradient
+accumulator are fp32 (float64 for float64 inputs: `precision.at_least_fp32`);
 masked logits are the finite MASK_VALUE and masked probabilities are exactly 0, so a query with no
 visible key (padding, or a document whose keys live elsewhere) keeps l = 0, outputs 0 through a
 guarded 1/l and gets lse = 0 (unused: all its probabilities are masked). No `-inf - -inf` anywhere.

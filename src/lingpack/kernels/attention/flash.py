@@ -6,8 +6,9 @@ a tile is computed only if some row has a document on both sides of it and, caus
 every query (`blockwise.tile_visible`); a skipped tile contributes exact zeros, so skipping changes no
 number. Memory is O(T) for fixed blocks (the largest live tensor is one [B, H, block, block] tile).
 
-Numerics (REFERENCE.md §6): fp32 (float64 for float64 inputs) running max, normaliser, accumulators and gradients;
-masked logits are the finite MASK_VALUE and masked probabilities exactly 0; padding queries output 0.
+Numerics (docs/design.md#blockwise-softmax-attention): fp32 (float64 for float64 inputs) running max,
+normaliser, accumulators and gradients; masked logits are the finite MASK_VALUE and masked probabilities exactly 0;
+padding queries output 0.
 """
 
 from __future__ import annotations

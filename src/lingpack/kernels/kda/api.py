@@ -8,7 +8,7 @@ boundary; `None` means one document per row. `initial_state [B,H,K,V]` seeds eac
 Implementations (`impl`), all with the same semantics and tests:
   reference        naive recurrence, `lax.scan` over time (the dense reference)
   chunked          chunkwise WY form, segment-native (no phantom segments, any B)
-  chunked_aligned  chunkwise WY form on the RFC's cu_seqlens layout (`max_segs` phantom slots)
+  chunked_aligned  chunkwise WY form on the aligned cu_seqlens layout (`max_segs` phantom slots)
   pallas_varlen / pallas_segment  Pallas TPU kernels, registered by their module when present
 """
 

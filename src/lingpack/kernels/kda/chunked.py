@@ -1,4 +1,4 @@
-"""Chunkwise KDA in XLA (the WY form of REFERENCE.md §1), in two packing designs.
+"""Chunkwise KDA in XLA (docs/design.md#chunked-wy-form), in two packing designs.
 
 Per chunk of C tokens, with G the cumsum of g within the chunk and the token's segment:
     Akk[c,i] = sum_d k_cd k_id exp(G_cd - G_id)  (i < c)      Aqk[c,i] = sum_d q_cd k_id exp(G_cd - G_id)  (i <= c)
@@ -8,7 +8,7 @@ Per chunk of C tokens, with G the cumsum of g within the chunk and the token's s
 * `chunked_segment_native`: rows stay `[B, T]`; pairs are masked to the same segment, the carried state
   reaches only tokens continuing the previous chunk's last segment, and the outgoing state is built from
   the chunk's last segment only. No flattening, no phantom segments; T is padded to a chunk multiple.
-* `chunked_aligned`: the seed RFC's design: flatten to `[1, B*T]`, describe it with `cu_seqlens`
+* `chunked_aligned`: the aligned cu_seqlens layout: flatten to `[1, B*T]`, describe it with `cu_seqlens`
   (`max_segs + 1`, phantom segments), place every segment at a chunk boundary of a static buffer of
   `segments.aligned_length` tokens, reset the state at chunks that start a segment, gather back.
 

@@ -1,4 +1,4 @@
-"""KDA gate forms and the q/k L2 norm (REFERENCE.md §1); outputs are fp32, or float64 for float64 inputs.
+"""KDA gate forms and the q/k L2 norm (docs/design.md#kda-gates); outputs are fp32, or float64 for float64 inputs.
 
 Usable outside the kernel (the layer computes them) or inside (`chunk_kda(use_gate_in_kernel=True)`).
 """

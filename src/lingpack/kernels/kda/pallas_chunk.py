@@ -6,7 +6,7 @@ Mosaic receives as matmul dimension numbers), elementwise ops, `broadcasted_iota
 reductions and `pltpu.roll` along sublanes. No gathers, no dynamic indexing, no cumsum primitive, no
 `.T`. Shapes: C tokens (64), K, V head dims; a [1, N] row becomes an [N, 1] column by `row_to_col`.
 
-Forward of a chunk (REFERENCE.md §1; `chunked.py` has the same math in XLA):
+Forward of a chunk (docs/design.md#chunked-wy-form; `chunked.py` has the same math in XLA):
     G   = Tri g                                   chunk-local cumsum as a matmul with lower-triangular ones
     Aqk = P(q, k)[c,i] = sum_d q_cd k_id e^(G_cd - G_id)   (i <= c, same segment)
     Akk = P(k, k)                                          (i <  c, same segment)

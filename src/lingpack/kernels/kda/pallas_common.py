@@ -281,3 +281,109 @@ def cost_estimate(kind, steps, C, K, V, safe_gate, masked, fusion, args, out_sha
 def pallas_calls(jaxpr) -> list:
     """Every `pallas_call` equation in a (closed) jaxpr, nested jaxprs included (cost model and budget tests)."""
     return hlo.pallas_call_eqns(jaxpr)
+
+
+# --- call scaffolding shared by pallas_segment and pallas_varlen ------------------------------------------
+# Both designs run the same three kernels (forward, states, backward) with the same operands around their
+# own grid and tables: the kernel refs split the same way and the operand lists have the same shape.
+
+SEMANTICS = ("parallel", "arbitrary")   # the leading grid axis (rows / heads) parallel, the chunks sequential
+
+
+def chunk_order(n_chunks: int, reverse: bool):
+    """For index_maps: the chunk grid step n visits (the backward walks the chunks in reverse)."""
+    return (lambda n: n_chunks - 1 - n) if reverse else (lambda n: n)
+
+
+def head_dims(q, v, H: int, heads_minor: bool) -> tuple[int, int]:
+    """(K, V) of kernel operands laid out as [..., T, H*K] (heads_minor) or [..., H, T, K]."""
+    return (q.shape[-1] // H, v.shape[-1] // H) if heads_minor else (q.shape[-1], v.shape[-1])
+
+
+def split_forward_refs(refs, fusion: chunk.Fusion, emit: str):
+    """A forward / states kernel's refs after its common inputs -> (gate table or None, saved inverses or
+    None, output refs, state scratch). emit: "output", "saving" (+ each chunk's WY inverse), "states"."""
+    gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
+    inverse_ref = refs[0] if emit == "states" else None
+    return gate_ref, inverse_ref, refs[1 if emit == "states" else 0:-1], refs[-1]
+
+
+def split_backward_refs(refs, fusion: chunk.Fusion):
+    """A backward kernel's refs after its inputs -> (gate table or None, (dq, dk, dv, dg, dbeta, dh0) refs,
+    dgate accumulator or None, dstate scratch)."""
+    gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
+    rest = refs[6:]
+    dgate_ref, dstate_scr = rest if fusion.gate else (None, rest[0])
+    return gate_ref, tuple(refs[:6]), dgate_ref, dstate_scr
+
+
+def zero_accumulators(dbeta_ref, dgate_ref) -> None:
+    """At the backward's first step: the dbeta table (the last block's rows past NT stay 0) and the dgate sums."""
+    dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, dbeta_ref.dtype)
+    if dgate_ref is not None:
+        dgate_ref[...] = jnp.zeros(dgate_ref.shape, dgate_ref.dtype)
+
+
+def forward_operands(specs: dict, q, k, v, g, beta_tab, tables, h0, gate_tab, inverse, *, K: int, V: int, emit: str,
+                     fusion: chunk.Fusion, states_shape, final_shape, inverse_shape):
+    """(in_specs, args, out_specs, out_shape) of a forward or states call.
+
+    specs: "tile" (a function of the head dim), "beta", "initial" (h0), "final", "per_chunk_state", "inverse",
+    "gate"; tables: (spec, array) pairs of per-chunk tables read between beta and h0. Outputs: the state
+    entering every chunk (emit "states", which reads the saved inverses), else o and the final state, and
+    with emit "saving" each chunk's WY inverse too."""
+    tile = specs["tile"]
+    in_specs = [tile(K), tile(K), tile(V), tile(K), specs["beta"], *(s for s, _ in tables), specs["initial"]]
+    args = [q, k, v, g, beta_tab, *(a for _, a in tables), h0]
+    if fusion.gate:
+        in_specs.append(specs["gate"])
+        args.append(gate_tab)
+    if emit == "states":
+        in_specs.append(specs["inverse"])
+        args.append(inverse)
+        return in_specs, args, (specs["per_chunk_state"],), (jax.ShapeDtypeStruct(states_shape, f32),)
+    out_specs = [tile(V), specs["final"]]
+    out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(final_shape, f32)]
+    if emit == "saving":
+        out_specs.append(specs["inverse"])
+        out_shape.append(jax.ShapeDtypeStruct(inverse_shape, f32))
+    return in_specs, args, tuple(out_specs), tuple(out_shape)
+
+
+def backward_operands(specs: dict, q, k, v, g, beta_tab, tables, states, inverse, do, dfinal, gate_tab, *, K: int,
+                      V: int, fusion: chunk.Fusion, dh0_shape, dgate_shape):
+    """(in_specs, args, out_specs, out_shape) of a backward call: the inputs, the states entering every chunk,
+    the saved inverses and the cotangents in; dq, dk, dv, dg (their inputs' dtypes), dbeta (fp32, beta's
+    table), dh0 and, with a fused gate, the gate table's gradient (spec "gate_grad") out."""
+    tile = specs["tile"]
+    in_specs = [tile(K), tile(K), tile(V), tile(K), specs["beta"], *(s for s, _ in tables), specs["per_chunk_state"],
+                specs["inverse"], tile(V), specs["final"]]
+    args = [q, k, v, g, beta_tab, *(a for _, a in tables), states, inverse, do, dfinal]
+    out_specs = [tile(K), tile(K), tile(V), tile(K), specs["beta"], specs["initial"]]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, g)]
+    out_shape += [jax.ShapeDtypeStruct(beta_tab.shape, f32), jax.ShapeDtypeStruct(dh0_shape, f32)]
+    if fusion.gate:
+        in_specs.append(specs["gate"])
+        args.append(gate_tab)
+        out_specs.append(specs["gate_grad"])
+        out_shape.append(jax.ShapeDtypeStruct(dgate_shape, f32))
+    return in_specs, args, tuple(out_specs), tuple(out_shape)
+
+
+def kda_pallas_call(kernel, operands, *, name: str, kind: str, grid, scratch, C: int, K: int, V: int, heads: int,
+                    safe_gate: bool, masked: bool, fusion: chunk.Fusion, interpret: bool, prefetch=()):
+    """Run one KDA kernel over `grid` with `operands` (from `forward_operands` / `backward_operands`), an fp32
+    `scratch` state in VMEM, the VMEM limit from its blocks and XLA's cost estimate; `prefetch` arrays go to
+    SMEM as scalar prefetch (first arguments of the kernel and of every index_map)."""
+    in_specs, args, out_specs, out_shape = operands
+    steps = math.prod(grid) * heads   # head-chunks the call processes
+    common = dict(out_shape=out_shape, interpret=interpret, name=name,
+                  compiler_params=compiler_params(SEMANTICS, in_specs, args, out_specs, out_shape, C, K, V, heads),
+                  cost_estimate=cost_estimate(kind, steps, C, K, V, safe_gate, masked, fusion, args, out_shape))
+    scratch_shapes = [pltpu.VMEM(scratch, f32)]
+    if prefetch:
+        grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
+                                                 out_specs=out_specs, scratch_shapes=scratch_shapes)
+        return pl.pallas_call(kernel, grid_spec=grid_spec, **common)(*prefetch, *args)
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch_shapes,
+                          **common)(*args)

@@ -1,4 +1,4 @@
-"""Segment-native Pallas TPU KDA ("Alt1" of the seed RFC): segment ids go straight into the kernel.
+"""Segment-native Pallas TPU KDA (docs/design.md#segment-native-chunking): segment ids go straight into the kernel.
 
 Rows stay `[B, T]` (any B); T is padded to a chunk multiple, nothing else: no flattening, no phantom
 segments, no alignment. Each kernel step reads its chunk's segment ids from a per-row id table
@@ -32,16 +32,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from lingpack.kernels.kda import api, pallas_shard, segments
 from lingpack.kernels.kda import pallas_chunk as chunk
-from lingpack.kernels.kda.pallas_common import (TABLE_ROWS, check_head_dims, compiler_params,
-                                                cost_estimate, from_heads, fusion_inputs, heads_per_step, load_tiles,
-                                                resolve_interpret, store_chunk_grads, table_row, table_rows, to_heads)
+from lingpack.kernels.kda.pallas_common import (TABLE_ROWS, backward_operands, check_head_dims, chunk_order,
+                                                forward_operands, from_heads, fusion_inputs, head_dims, heads_per_step,
+                                                kda_pallas_call, load_tiles, resolve_interpret, split_backward_refs,
+                                                split_forward_refs, store_chunk_grads, table_row, table_rows, to_heads,
+                                                zero_accumulators)
 
 f32 = jnp.float32
-SEMANTICS = ("parallel", "arbitrary")   # rows x head groups in one leading axis (megacore splits it), chunks
 
 
 def _segment_masks(ids_ref, n):
@@ -63,9 +63,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, h0_ref, *refs
                     heads, heads_minor):
     """emit: "output" (o, final), "saving" (o, final, and each chunk's WY inverse for the backward), "states"
     (reads the saved inverses, writes the state entering each chunk)."""
-    gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
-    inv_in = refs[0] if emit == "states" else None
-    outs, state_scr = refs[1 if emit == "states" else 0:-1], refs[-1]
+    gate_ref, inv_in, outs, state_scr = split_forward_refs(refs, fusion, emit)
     K, V = state_scr.shape[1:]
     at = _per_head(heads_minor)
     n = pl.program_id(1)
@@ -97,9 +95,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, h0_ref, *refs
 
 def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, states_ref, inv_ref, do_ref, dfinal_ref, *refs,
                      scale, safe_gate, fusion, heads, heads_minor):
-    gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
-    dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, *refs = refs
-    dgate_ref, dstate_scr = refs if fusion.gate else (None, refs[0])
+    gate_ref, (dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref), dgate_ref, dstate_scr = split_backward_refs(
+        refs, fusion)
     K, V = dstate_scr.shape[1:]
     at = _per_head(heads_minor)
     step = pl.program_id(1)
@@ -109,9 +106,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, ids_ref, states_ref, 
     @pl.when(step == 0)
     def _():
         dstate_scr[...] = dfinal_ref[...]
-        dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, dbeta_ref.dtype)   # the last block's rows past NT stay 0
-        if dgate_ref is not None:
-            dgate_ref[...] = jnp.zeros(dgate_ref.shape, dgate_ref.dtype)
+        zero_accumulators(dbeta_ref, dgate_ref)
 
     masks, real_row = _segment_masks(ids_ref, n)   # built once per step, shared by its heads
     for j in range(heads):
@@ -137,18 +132,19 @@ def _specs(B, H, heads, NT, C, K, V, heads_minor, reverse=False):
     """
     groups = H // heads
     row, group = (lambda i: jax.lax.div(i, groups)), (lambda i: jax.lax.rem(i, groups))
-    chunk_of = (lambda n: NT - 1 - n) if reverse else (lambda n: n)
+    chunk_of = chunk_order(NT, reverse)
     table_block = lambda n: jax.lax.div(chunk_of(n), TABLE_ROWS)
     if heads_minor:
         tile = lambda d: pl.BlockSpec((None, C, heads * d), lambda i, n: (row(i), chunk_of(n), group(i)))
     else:
         tile = lambda d: pl.BlockSpec((None, heads, C, d), lambda i, n: (row(i), group(i), chunk_of(n), 0))
     per_chunk = lambda a, b: pl.BlockSpec((None, heads, None, a, b), lambda i, n: (row(i), group(i), chunk_of(n), 0, 0))
+    state = pl.BlockSpec((None, heads, K, V), lambda i, n: (row(i), group(i), 0, 0))
     return dict(
         tile=tile,
         beta=pl.BlockSpec((None, heads, TABLE_ROWS, C), lambda i, n: (row(i), group(i), table_block(n), 0)),
         ids=pl.BlockSpec((None, TABLE_ROWS, C), lambda i, n: (row(i), table_block(n), 0)),
-        state=pl.BlockSpec((None, heads, K, V), lambda i, n: (row(i), group(i), 0, 0)),
+        initial=state, final=state,
         per_chunk_state=per_chunk(K, V),
         inverse=per_chunk(C, C),
         gate=pl.BlockSpec((heads, 2, K), lambda i, n: (group(i), 0, 0)),
@@ -160,67 +156,37 @@ def _dims(q, v, beta_tab):
     """(B, H, heads per step, NT, C, K, V, heads_minor) of the kernel operands."""
     B, H, _, C = beta_tab.shape
     heads_minor = q.ndim == 3
-    NT = q.shape[-2] // C
-    K, V = (q.shape[-1] // H, v.shape[-1] // H) if heads_minor else (q.shape[-1], v.shape[-1])
-    return B, H, heads_per_step(B, H), NT, C, K, V, heads_minor
+    return (B, H, heads_per_step(B, H), q.shape[-2] // C, C, *head_dims(q, v, H, heads_minor), heads_minor)
 
 
-def _call(kernel, name, kind, grid, in_specs, args, out_specs, out_shape, scratch, dims, safe_gate, fusion, interpret):
+def _call(kernel, operands, name, kind, dims, safe_gate, fusion, interpret):
     B, H, heads, NT, C, K, V, heads_minor = dims
-    return pl.pallas_call(
-        functools.partial(kernel, safe_gate=safe_gate, fusion=fusion, heads=heads, heads_minor=heads_minor),
-        grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM(scratch, f32)],
-        compiler_params=compiler_params(SEMANTICS, in_specs, args, out_specs, out_shape, C, K, V, heads),
-        cost_estimate=cost_estimate(kind, B * H * NT, C, K, V, safe_gate, True, fusion, args, out_shape),
-        interpret=interpret, name=name,
-    )(*args)
+    kernel = functools.partial(kernel, safe_gate=safe_gate, fusion=fusion, heads=heads, heads_minor=heads_minor)
+    return kda_pallas_call(kernel, operands, name=name, kind=kind, grid=(B * H // heads, NT), scratch=(heads, K, V),
+                           C=C, K=K, V=V, heads=heads, safe_gate=safe_gate, masked=True, fusion=fusion,
+                           interpret=interpret)
 
 
 def _forward_call(q, k, v, g, beta_tab, ids_tab, h0, gate_tab, inverse=None, *, scale, safe_gate, fusion, interpret,
                   emit):
     dims = B, H, heads, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
     s = _specs(B, H, heads, NT, C, K, V, heads_minor)
-    in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["ids"], s["state"]]
-    args = [q, k, v, g, beta_tab, ids_tab, h0]
-    if fusion.gate:
-        in_specs.append(s["gate"])
-        args.append(gate_tab)
-    if emit == "states":
-        in_specs.append(s["inverse"])
-        args.append(inverse)
-        out_shape, out_specs = [jax.ShapeDtypeStruct((B, H, NT, K, V), f32)], [s["per_chunk_state"]]
-    else:
-        out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
-        out_specs = [s["tile"](V), s["state"]]
-        if emit == "saving":
-            out_shape.append(jax.ShapeDtypeStruct((B, H, NT, C, C), f32))
-            out_specs.append(s["inverse"])
-    name = {"output": "kda_segment_fwd", "saving": "kda_segment_fwd", "states": "kda_segment_states"}[emit]
-    kernel = functools.partial(_forward_kernel, scale=scale, emit=emit)
-    return _call(kernel, name, "states" if emit == "states" else "forward", (B * H // heads, NT), in_specs, args,
-                 tuple(out_specs), tuple(out_shape), (heads, K, V), dims, safe_gate, fusion, interpret)
+    operands = forward_operands(s, q, k, v, g, beta_tab, [(s["ids"], ids_tab)], h0, gate_tab, inverse, K=K, V=V,
+                                emit=emit, fusion=fusion, states_shape=(B, H, NT, K, V), final_shape=(B, H, K, V),
+                                inverse_shape=(B, H, NT, C, C))
+    name = "kda_segment_states" if emit == "states" else "kda_segment_fwd"
+    return _call(functools.partial(_forward_kernel, scale=scale, emit=emit), operands, name,
+                 "states" if emit == "states" else "forward", dims, safe_gate, fusion, interpret)
 
 
 def _backward_call(q, k, v, g, beta_tab, ids_tab, states, inverse, do, dfinal, gate_tab, *, scale, safe_gate, fusion,
                    interpret):
     dims = B, H, heads, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
     s = _specs(B, H, heads, NT, C, K, V, heads_minor, reverse=True)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
-                 jax.ShapeDtypeStruct(beta_tab.shape, f32), jax.ShapeDtypeStruct((B, H, K, V), f32)]
-    out_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["state"]]
-    in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["ids"], s["per_chunk_state"],
-                s["inverse"], s["tile"](V), s["state"]]
-    args = [q, k, v, g, beta_tab, ids_tab, states, inverse, do, dfinal]
-    if fusion.gate:
-        in_specs.append(s["gate"])
-        args.append(gate_tab)
-        out_specs.append(s["gate_grad"])
-        out_shape.append(jax.ShapeDtypeStruct((B, H, 2, K), f32))
-    kernel = functools.partial(_backward_kernel, scale=scale)
-    return _call(kernel, "kda_segment_bwd", "backward", (B * H // heads, NT), in_specs, args, tuple(out_specs),
-                 tuple(out_shape), (heads, K, V), dims, safe_gate, fusion, interpret)
+    operands = backward_operands(s, q, k, v, g, beta_tab, [(s["ids"], ids_tab)], states, inverse, do, dfinal,
+                                 gate_tab, K=K, V=V, fusion=fusion, dh0_shape=(B, H, K, V), dgate_shape=(B, H, 2, K))
+    return _call(functools.partial(_backward_kernel, scale=scale), operands, "kda_segment_bwd", "backward", dims,
+                 safe_gate, fusion, interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))

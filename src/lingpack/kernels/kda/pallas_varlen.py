@@ -1,4 +1,4 @@
-"""The seed RFC's varlen design as Pallas TPU kernels: B=1 flattened, chunk-aligned segments, scalar prefetch.
+"""The aligned cu_seqlens layout as Pallas TPU kernels: B=1 flattened, chunk-aligned segments, scalar prefetch.
 
 The batch `[B, T]` is flattened and described by `cu_seqlens` padded to `max_segs + 1` (phantom
 segments have zero length); `segments.align_plan` places every segment at a chunk boundary of a static
@@ -29,17 +29,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from lingpack.kernels.kda import api, pallas_shard, segments
 from lingpack.kernels.kda import pallas_chunk as chunk
-from lingpack.kernels.kda.pallas_common import (TABLE_ROWS, check_head_dims, compiler_params,
-                                                cost_estimate, fusion_inputs, load_tiles, resolve_interpret,
-                                                store_chunk_grads, table_rows)
+from lingpack.kernels.kda.pallas_common import (TABLE_ROWS, backward_operands, check_head_dims, chunk_order,
+                                                forward_operands, fusion_inputs, head_dims, kda_pallas_call,
+                                                load_tiles, resolve_interpret, split_backward_refs, split_forward_refs,
+                                                store_chunk_grads, table_rows, zero_accumulators)
 
 f32 = jnp.float32
 FIRST, LAST = 1, 2
-SEMANTICS = ("parallel", "arbitrary")
 
 
 class ChunkTables(NamedTuple):
@@ -71,9 +70,7 @@ def _forward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_re
                     safe_gate, fusion, emit):
     """emit as in `pallas_segment`: "output", "saving" (+ each chunk's WY inverse), "states" (inverses in)."""
     del slot_ref, init_row_ref  # used by the index_maps only
-    gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
-    inv_in = refs[0] if emit == "states" else None
-    outs, state_scr = refs[1 if emit == "states" else 0:-1], refs[-1]
+    gate_ref, inv_in, outs, state_scr = split_forward_refs(refs, fusion, emit)
     n = pl.program_id(1)
 
     @pl.when((flags_ref[n] & FIRST) != 0)
@@ -97,9 +94,8 @@ def _forward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_re
 def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, states_ref, inv_ref,
                      do_ref, dfinal_ref, *refs, scale, safe_gate, fusion):
     del slot_ref, init_row_ref
-    gate_ref, refs = (refs[0], refs[1:]) if fusion.gate else (None, refs)
-    dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, *refs = refs
-    dgate_ref, dstate_scr = refs if fusion.gate else (None, refs[0])
+    gate_ref, (dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref), dgate_ref, dstate_scr = split_backward_refs(
+        refs, fusion)
     step = pl.program_id(1)
     n = pl.num_programs(1) - 1 - step  # chunks in reverse
     flags = flags_ref[n]
@@ -107,9 +103,7 @@ def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_r
     @pl.when(step == 0)
     def _():
         dstate_scr[...] = jnp.zeros(dstate_scr.shape, f32)
-        dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, dbeta_ref.dtype)   # the last block's rows past NT stay 0
-        if dgate_ref is not None:
-            dgate_ref[...] = jnp.zeros(dgate_ref.shape, dgate_ref.dtype)
+        zero_accumulators(dbeta_ref, dgate_ref)
 
     is_last = ((flags & LAST) != 0).astype(f32)
     dS_next = dstate_scr[...] + is_last * dfinal_ref[...]
@@ -132,19 +126,20 @@ def _backward_kernel(slot_ref, flags_ref, init_row_ref, q_ref, k_ref, v_ref, g_r
 
 def _specs(H, NT, C, K, V, heads_minor, reverse=False):
     """Tiles (C, K) of [T_new, H*K] when K and V are multiples of 128 (no transpose), else of [H, T_new, K]."""
-    chunk_of = (lambda n: NT - 1 - n) if reverse else (lambda n: n)
+    chunk_of = chunk_order(NT, reverse)
     if heads_minor:
         tile = lambda d: pl.BlockSpec((C, d), lambda h, n, *_: (chunk_of(n), h))
     else:
         tile = lambda d: pl.BlockSpec((None, C, d), lambda h, n, *_: (h, chunk_of(n), 0))
+    gate = pl.BlockSpec((None, 2, K), lambda h, n, *_: (h, 0, 0))
     return dict(
         tile=tile,
         beta=pl.BlockSpec((None, TABLE_ROWS, C), lambda h, n, *_: (h, jax.lax.div(chunk_of(n), TABLE_ROWS), 0)),
-        slot_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, *_: (slot[chunk_of(n)], h, 0, 0)),
-        row_state=pl.BlockSpec((None, None, K, V), lambda h, n, slot, flags, row: (row[chunk_of(n)], h, 0, 0)),
+        final=pl.BlockSpec((None, None, K, V), lambda h, n, slot, *_: (slot[chunk_of(n)], h, 0, 0)),       # per slot
+        initial=pl.BlockSpec((None, None, K, V), lambda h, n, slot, flags, row: (row[chunk_of(n)], h, 0, 0)),  # per row
         per_chunk_state=pl.BlockSpec((None, None, K, V), lambda h, n, *_: (h, chunk_of(n), 0, 0)),
         inverse=pl.BlockSpec((None, None, C, C), lambda h, n, *_: (h, chunk_of(n), 0, 0)),
-        gate=pl.BlockSpec((None, 2, K), lambda h, n, *_: (h, 0, 0)),
+        gate=gate, gate_grad=gate,
     )
 
 
@@ -152,68 +147,36 @@ def _dims(q, v, beta_tab):
     """(H, NT, C, K, V, heads_minor) of the kernel operands."""
     H, _, C = beta_tab.shape
     heads_minor = q.ndim == 2
-    NT = q.shape[-2] // C
-    return H, NT, C, (q.shape[-1] // H if heads_minor else q.shape[-1]), (
-        v.shape[-1] // H if heads_minor else v.shape[-1]), heads_minor
+    return (H, q.shape[-2] // C, C, *head_dims(q, v, H, heads_minor), heads_minor)
+
+
+def _call(kernel, operands, tables, name, kind, dims, safe_gate, fusion, interpret):
+    H, NT, C, K, V, heads_minor = dims
+    return kda_pallas_call(functools.partial(kernel, safe_gate=safe_gate, fusion=fusion), operands, name=name,
+                           kind=kind, grid=(H, NT), scratch=(K, V), C=C, K=K, V=V, heads=1, safe_gate=safe_gate,
+                           masked=False, fusion=fusion, interpret=interpret, prefetch=tuple(tables))
 
 
 def _forward_call(q, k, v, g, beta_tab, tables, h0_rows, gate_tab, n_slots, inverse=None, *, scale, safe_gate, fusion,
                   interpret, emit):
-    H, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
+    dims = H, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
     s = _specs(H, NT, C, K, V, heads_minor)
-    in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["row_state"]]
-    args = [q, k, v, g, beta_tab, h0_rows]
-    if fusion.gate:
-        in_specs.append(s["gate"])
-        args.append(gate_tab)
-    if emit == "states":
-        in_specs.append(s["inverse"])
-        args.append(inverse)
-        out_shape, out_specs = [jax.ShapeDtypeStruct((H, NT, K, V), f32)], [s["per_chunk_state"]]
-    else:
-        out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((n_slots, H, K, V), f32)]
-        out_specs = [s["tile"](V), s["slot_state"]]
-        if emit == "saving":
-            out_shape.append(jax.ShapeDtypeStruct((H, NT, C, C), f32))
-            out_specs.append(s["inverse"])
-    out_shape, out_specs = tuple(out_shape), tuple(out_specs)
-    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=(H, NT), in_specs=in_specs,
-                                             out_specs=out_specs, scratch_shapes=[pltpu.VMEM((K, V), f32)])
-    return pl.pallas_call(
-        functools.partial(_forward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion, emit=emit),
-        grid_spec=grid_spec, out_shape=out_shape,
-        compiler_params=compiler_params(SEMANTICS, in_specs, args, out_specs, out_shape, C, K, V),
-        cost_estimate=cost_estimate("states" if emit == "states" else "forward", H * NT, C, K, V, safe_gate, False,
-                                    fusion, args, out_shape),
-        interpret=interpret, name="kda_varlen_states" if emit == "states" else "kda_varlen_fwd",
-    )(*tables, *args)
+    operands = forward_operands(s, q, k, v, g, beta_tab, [], h0_rows, gate_tab, inverse, K=K, V=V, emit=emit,
+                                fusion=fusion, states_shape=(H, NT, K, V), final_shape=(n_slots, H, K, V),
+                                inverse_shape=(H, NT, C, C))
+    name = "kda_varlen_states" if emit == "states" else "kda_varlen_fwd"
+    return _call(functools.partial(_forward_kernel, scale=scale, emit=emit), operands, tables, name,
+                 "states" if emit == "states" else "forward", dims, safe_gate, fusion, interpret)
 
 
 def _backward_call(q, k, v, g, beta_tab, tables, states, inverse, do, dfinal_slots, gate_tab, n_rows, *, scale,
                    safe_gate, fusion, interpret):
-    H, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
+    dims = H, NT, C, K, V, heads_minor = _dims(q, v, beta_tab)
     s = _specs(H, NT, C, K, V, heads_minor, reverse=True)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
-                 jax.ShapeDtypeStruct(beta_tab.shape, f32), jax.ShapeDtypeStruct((n_rows, H, K, V), f32)]
-    out_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["row_state"]]
-    in_specs = [s["tile"](K), s["tile"](K), s["tile"](V), s["tile"](K), s["beta"], s["per_chunk_state"], s["inverse"],
-                s["tile"](V), s["slot_state"]]
-    args = [q, k, v, g, beta_tab, states, inverse, do, dfinal_slots]
-    if fusion.gate:
-        in_specs.append(s["gate"])
-        args.append(gate_tab)
-        out_specs.append(s["gate"])
-        out_shape.append(jax.ShapeDtypeStruct(gate_tab.shape, f32))
-    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=(H, NT), in_specs=in_specs,
-                                             out_specs=tuple(out_specs), scratch_shapes=[pltpu.VMEM((K, V), f32)])
-    return pl.pallas_call(
-        functools.partial(_backward_kernel, scale=scale, safe_gate=safe_gate, fusion=fusion),
-        grid_spec=grid_spec, out_shape=tuple(out_shape),
-        compiler_params=compiler_params(SEMANTICS, in_specs, args, out_specs, out_shape, C, K, V),
-        cost_estimate=cost_estimate("backward", H * NT, C, K, V, safe_gate, False, fusion, args, out_shape),
-        interpret=interpret, name="kda_varlen_bwd",
-    )(*tables, *args)
+    operands = backward_operands(s, q, k, v, g, beta_tab, [], states, inverse, do, dfinal_slots, gate_tab, K=K, V=V,
+                                 fusion=fusion, dh0_shape=(n_rows, H, K, V), dgate_shape=gate_tab.shape)
+    return _call(functools.partial(_backward_kernel, scale=scale), operands, tables, "kda_varlen_bwd", "backward",
+                 dims, safe_gate, fusion, interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14))

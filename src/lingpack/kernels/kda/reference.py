@@ -1,4 +1,5 @@
-"""The dense reference: the naive KDA recurrence (REFERENCE.md §1) as a `lax.scan` over time, in fp32 (or float64).
+"""The dense reference: the naive KDA recurrence (docs/design.md#kda-recurrence) as a `lax.scan` over time, in fp32
+(or float64).
 
     S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t
 

@@ -5,12 +5,12 @@ end of a row, and every row boundary ends a segment (even when the next row star
 
 Two kernel designs consume them:
 * segment-native: ids are used directly (`segment_starts`, `fill_padding_ids`);
-* aligned (cu_seqlens, the seed RFC's design): the batch is flattened to `[1, B*T]` and described by
+* aligned (cu_seqlens, docs/design.md#aligned-cu_seqlens-layout): the batch is flattened to `[1, B*T]` and described by
   `cu_seqlens` of fixed shape `[max_segs + 1]` in FLA's convention (0, cumulative ends). Phantom
   segments beyond the real count have zero length. `align_plan` then places every segment at a chunk
   boundary of a static buffer of `aligned_length(...)` tokens.
 
-Conventions chosen here (documented because the seed RFC's algorithm differs):
+Conventions chosen here (a conversion must hold for every layout the pipeline produces):
 * a segment's span in the flattened stream runs to the next segment's start, so it also covers the
   row's trailing padding; kernels turn padding tokens into no-ops (no decay, no write), which keeps
   `cu_seqlens[-1] == B*T` as FLA requires and never changes a real token's result;
@@ -158,7 +158,7 @@ class AlignPlan(NamedTuple):
 
 
 def align_plan(segment_ids: jax.Array, max_segs: int, chunk_size: int) -> AlignPlan:
-    """Chunk-aligned placement of the flattened batch (the RFC's `_align_seqs`), all static shapes."""
+    """Chunk-aligned placement of the flattened batch, all static shapes."""
     B, T = segment_ids.shape
     total = B * T
     t_new = aligned_length(total, max_segs, chunk_size)

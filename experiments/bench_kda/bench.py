@@ -1,9 +1,9 @@
 """KDA kernel benchmark: speed against peers in the same process, and the phantom-segment overhead sweep.
 
-    python experiments/bench_kda.py [--quick] [--out experiments/results/bench_kda.json] [--table-only]
+    python -m experiments.bench_kda.bench [--quick] [--out experiments/bench_kda/results/bench_kda.json]
 
-Writes the JSON and, beside it, `bench_kda.md` (the README's speed table, rendered by `table`);
-`--table-only` re-renders the .md from an existing JSON without measuring.
+Writes the JSON; `table` renders the `bench_kda` results block of the docs from it
+(`python -m experiments.check_results --write` copies it in).
 
 Part 1, forward+backward at B=1, T=4096, H=4, K=V=128, fp32: lingpack `reference`, `chunked`
 (segment-native), `chunked_aligned` (cu_seqlens), FLA's `naive_chunk_kda` and transformers'
@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -29,9 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lingpack.kernels.kda import api, segments  # noqa: E402
-from tests.kernels.kda_cases import fla_naive_module, make_inputs  # noqa: E402
+from experiments.provenance import commit
+from lingpack.kernels.kda import api, segments
+from lingpack.kernels.kda.inputs import random_inputs
+from lingpack.parity.fla import fla_naive_kda
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def timeit(fn, repeats):
@@ -84,9 +86,9 @@ def part1(repeats):
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
     B, T, H, K, V = 1, 4096, 4, 128, 128
-    inputs = make_inputs(np.random.default_rng(0), B, T, H, K, V)
+    inputs = random_inputs(np.random.default_rng(0), B, T, H, K, V)
     inputs[3] = np.maximum(inputs[3], -5.0)  # the lower-bound gate regime, so `safe_gate` holds
-    naive = fla_naive_module()
+    naive = fla_naive_kda()
     from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
     runs = {
         "lingpack reference (scan over time)": jax_fwd_bwd("reference", inputs),
@@ -124,7 +126,7 @@ def realistic_lengths(rng, total, max_docs):
 def part2(repeats, max_segs_list):
     T, H, K, V = 8192, 2, 128, 128
     rng = np.random.default_rng(1)
-    inputs = make_inputs(rng, 1, T, H, K, V)
+    inputs = random_inputs(rng, 1, T, H, K, V)
     lengths = realistic_lengths(rng, T, min(max_segs_list))
     seg = np.repeat(np.arange(1, len(lengths) + 1, dtype=np.int32), lengths)[None]
     print(f"  documents: {len(lengths)}, lengths {sorted(lengths)}", flush=True)
@@ -148,7 +150,7 @@ def part2(repeats, max_segs_list):
     return {"documents": len(lengths), "rows": rows}
 
 
-# README label of each timed implementation, in table order
+# table label of each timed implementation, in table order
 LABELS = {"lingpack chunked (segment-native)": "lingpack `chunked` (segment-native, `safe_gate`)",
           "lingpack chunked, any gate (safe_gate=False)": "lingpack `chunked`, any gate (`safe_gate=False`)",
           "lingpack chunked_aligned (cu_seqlens, max_segs=8)": "lingpack `chunked_aligned` (max_segs=8)",
@@ -158,17 +160,19 @@ LABELS = {"lingpack chunked (segment-native)": "lingpack `chunked` (segment-nati
 
 
 def table(result: dict) -> str:
-    """The README's part-1 table and summary line, from a result of this script (its JSON)."""
+    """The `bench_kda` results block (part 1's table and summary line), from a result of this script (its JSON)."""
     p1 = result["part1"]
     times, base = p1["times_s"], p1["times_s"]["lingpack chunked (segment-native)"]
     seconds = lambda s: f"{s:.0f}" if s >= 100 else f"{s:#.3g}"
     lines = ["| implementation | seconds | time / lingpack `chunked` |", "|---|---:|---:|"]
     for key, label in LABELS.items():
         lines.append(f"| {label} | {seconds(times[key])} | {times[key] / base:.2f} |")
-    lines += ["", f"`chunked`: {p1['speedup_vs_fla_naive_chunk']:.1f}x FLA's `naive_chunk_kda`,"
+    lines += ["", f"lingpack at commit {result.get('commit', '-')}. `chunked`: {p1['speedup_vs_fla_naive_chunk']:.1f}x"
+              " FLA's `naive_chunk_kda`,"
               f" {p1['speedup_vs_transformers']:.1f}x transformers; {p1['chunked_gflops']:.1f} GFLOP/s of algorithmic"
-              f" FLOPs = {100 * p1['fraction_of_ceiling']:.0f}% of a batched 64x128x64 XLA matmul measured in the same run"
-              f" ({p1['batched_matmul_64x128x64_gflops']:.1f} GFLOP/s), {100 * p1['chunked_gflops'] / p1['square_matmul_2048_gflops']:.0f}%"
+              f" FLOPs = {100 * p1['fraction_of_ceiling']:.0f}% of a batched 64x128x64 XLA matmul measured in the"
+              f" same run ({p1['batched_matmul_64x128x64_gflops']:.1f} GFLOP/s),"
+              f" {100 * p1['chunked_gflops'] / p1['square_matmul_2048_gflops']:.0f}%"
               f" of a 2048^2 matmul ({p1['square_matmul_2048_gflops']:.1f} GFLOP/s)."]
     return "\n".join(lines) + "\n"
 
@@ -176,29 +180,25 @@ def table(result: dict) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one repeat, fewer max_segs values")
-    parser.add_argument("--out", default="experiments/results/bench_kda.json")
-    parser.add_argument("--table-only", action="store_true", help="re-render the .md table from the JSON at --out")
+    parser.add_argument("--out", default=str(RESULTS / "bench_kda.json"))
     args = parser.parse_args()
-    table_path = Path(args.out).with_suffix(".md")
-    if args.table_only:
-        table_path.write_text(table(json.loads(Path(args.out).read_text())))
-        return
     repeats = 1 if args.quick else 5
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores")
     print("Part 1: forward+backward, B=1 T=4096 H=4 K=V=128 fp32")
-    result = {"part1": part1(repeats)}
+    result = {"commit": commit(), "part1": part1(repeats)}
     p1 = result["part1"]
     print(f"  chunked is {p1['speedup_vs_fla_naive_chunk']:.1f}x FLA naive_chunk_kda,"
           f" {p1['speedup_vs_transformers']:.1f}x transformers; {p1['chunked_gflops']:.1f} GFLOP/s ="
-          f" {100 * p1['fraction_of_ceiling']:.0f}% of a batched 64x128x64 matmul ({p1['batched_matmul_64x128x64_gflops']:.1f}),"
+          f" {100 * p1['fraction_of_ceiling']:.0f}% of a batched 64x128x64 matmul"
+          f" ({p1['batched_matmul_64x128x64_gflops']:.1f}),"
           f" {100 * p1['chunked_gflops'] / p1['square_matmul_2048_gflops']:.0f}% of a 2048^2 matmul"
           f" ({p1['square_matmul_2048_gflops']:.1f})")
     print("Part 2: phantom overhead, T=8192 H=2 K=V=128, packed / unpacked at equal tokens")
     result["part2"] = part2(repeats, [8, 32, 128] if args.quick else [8, 16, 32, 64, 128])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    table_path.write_text(table(result))
-    print(f"wrote {args.out} and {table_path}")
+    print(table(result))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """Whole-model training speed: compile time, step time, tokens/s and MFU, and where a step's time goes.
 
-    python experiments/bench_train.py [--quick] [--models tiny,small,small24] [--label after]
-                                      [--out experiments/results/bench_train_<label>.json]
+    python -m experiments.bench_train.bench [--quick] [--models tiny,small,small4,small24] [--out FILE]
 
 Models: conf/model/ling3_tiny.yaml, ling3_small.yaml, `small24` = ling3_small with the flagship's 24
-layers and `small4` = ling3_small with 4 (compile time against depth). Each runs the real jitted train step (`train.step.make_train_step`: forward, backward, clip,
-AdamW, expert-bias update) on one synthetic packed batch (log-normal document lengths, some padding).
+layers and `small4` = ling3_small with 4 (compile time against depth). Each runs the real jitted train step
+(`train.step.make_train_step`: forward, backward, clip, AdamW, expert-bias update) on one synthetic packed
+batch (log-normal document lengths, some padding).
 
-* compile: seconds of `lower` + `compile` of the step (tracing included), wall and process CPU.
+* compile: seconds of `lower` + `compile` of the step (tracing included), wall and process CPU; ops: the
+  lowered step's StableHLO operations (what XLA must compile, free of load).
 * step: median wall time of the compiled step; tokens/s = B*T / step.
 * MFU: the analytic training FLOPs (`train.flops.flops_per_token`, what the step log uses) per second
   over the matmul ceiling: a 1024^2 fp32 matmul measured in THIS run, interleaved with the steps (A B A B),
@@ -17,26 +18,21 @@ AdamW, expert-bias update) on one synthetic packed batch (log-normal document le
   jitted alone, forward + backward at the model's batch shape, timed the same way and multiplied by
   how often a step runs it; also XLA's FLOP count per component. With `remat` the step recomputes each
   layer's forward once more, which the isolated timings do not include.
-* `--head-ab`: the vocab head's weight gradient as autodiff writes it against `models.ling3.head_matmul`:
-  the whole step and the embedding + head + loss component, each compiled both ways, interleaved, with
-  process CPU seconds (what the other jobs on a shared machine barely move) and compiled temp memory.
-* `--moe-ab`: one MoE layer with `ragged_dot` against the tiled grouped matmul, interleaved.
 * `--attention-ab T`: one MLA mixer at [1, T] packed with many documents, dense attention against
   tile-skipping flash, interleaved, with flash's computed / total tiles.
 * `--hlo-ops`: operations in the lowered step, scanned and unrolled: what XLA must compile, free of load.
 * `--compile-parts`: per component, its fwd+bwd's StableHLO ops and the CPU seconds of lowering and compiling.
 Every number is a ratio or a time within this run on this machine; absolute times depend on the load.
+The default mode writes results/bench_train.json, whose `table` is the `bench_train` results block of the docs.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -47,18 +43,19 @@ import optax
 import yaml
 from flax import nnx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-from lingpack.config import KernelConfig, model_config as resolve_model_config  # noqa: E402
-from lingpack.kernels.attention.flash import tile_counts  # noqa: E402
-from lingpack.models.block import DecoderLayer  # noqa: E402
-from lingpack.models import head as head_lib  # noqa: E402
-from lingpack.models.ling3 import Ling3  # noqa: E402
-from lingpack.train import flops as flops_lib  # noqa: E402
-from lingpack.train.configs import LossConfig, OptimConfig  # noqa: E402
-from lingpack.train.loss import token_xent  # noqa: E402
-from lingpack.train.optim import make_optimizer  # noqa: E402
-from lingpack.train.step import ModelDef, init_fn, make_train_step  # noqa: E402
+from experiments.provenance import commit
+from lingpack.config import KernelConfig, model_config as resolve_model_config
+from lingpack.kernels.attention.flash import tile_counts
+from lingpack.models.block import DecoderLayer
+from lingpack.models.ling3 import Ling3
+from lingpack.train import flops as flops_lib
+from lingpack.train.configs import LossConfig, OptimConfig
+from lingpack.train.loss import token_xent
+from lingpack.train.optim import make_optimizer
+from lingpack.train.step import ModelDef, init_fn, make_train_step
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # (config file, overrides, batch rows B, row length T): small shapes so a step takes seconds on a laptop CPU.
 MODELS = {
@@ -140,36 +137,35 @@ def xla_flops(compiled) -> float:
     return float(cost.get("flops", 0.0))
 
 
-def compiled_step(cfg, B: int, T: int, holder: list | None = None):
-    """(compiled train step, a `run()` that steps the state in `holder` once, (compile wall, CPU seconds)); a
-    new state unless `holder` already holds one."""
+def compiled_step(cfg, B: int, T: int):
+    """(compiled train step, a `run()` that steps a fresh state once, StableHLO ops, (compile wall, CPU seconds))."""
     build = lambda: Ling3(cfg, rngs=nnx.Rngs(0))
     model_def = ModelDef.from_constructor(build, cfg)
     optim = OptimConfig(decay_steps=1000)
-    holder = holder if holder is not None else []
-    if not holder:
-        holder.append(jax.jit(init_fn(build, optim, 0))())
+    state = [jax.jit(init_fn(build, optim, 0))()]
     batch = packed_batch(B, T, cfg.vocab_size)
     step = make_train_step(model_def, LossConfig(), optim, micro_batches=1)
     start, start_cpu = time.perf_counter(), cpu_seconds()
-    compiled = step.lower(holder[0], batch).compile()
+    lowered = step.lower(state[0], batch)
+    compiled = lowered.compile()
     compile_s = (time.perf_counter() - start, cpu_seconds() - start_cpu)  # lowering + XLA compile
+    ops = sum(" = " in line for line in lowered.as_text().splitlines())
 
     def run():
-        holder[0], metrics = compiled(holder[0], batch)
+        state[0], metrics = compiled(state[0], batch)
         jax.block_until_ready(metrics)
-    return compiled, run, compile_s
+    return compiled, run, ops, compile_s
 
 
 def bench_step(cfg, B: int, T: int, repeats: int) -> dict:
-    compiled, run, (compile_s, compile_cpu_s) = compiled_step(cfg, B, T)
+    compiled, run, ops, (compile_s, compile_cpu_s) = compiled_step(cfg, B, T)
     mm, mm_flops, mm_best = matmul_fn()
     cpu = {}
     times = interleaved({"step": run, "matmul": mm}, repeats, cpu)
     ceiling = mm_flops / statistics.median(mm_best)
     model_flops = flops_lib.flops_per_token(cfg, T) * B * T
     return {"B": B, "T": T, "layers": cfg.num_layers, "compile_s": compile_s, "compile_cpu_s": compile_cpu_s,
-            "scanned_layers": len(cfg.scanned_layers()), "step_s": times["step"],
+            "stablehlo_ops": ops, "scanned_layers": len(cfg.scanned_layers()), "step_s": times["step"],
             "step_cpu_s": cpu["step"], "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 20,
             "tokens_per_s": B * T / times["step"], "ceiling_gflops": ceiling / 1e9,
             "model_gflop_per_step": model_flops / 1e9, "xla_gflop_per_step": xla_flops(compiled) / 1e9,
@@ -255,22 +251,6 @@ def breakdown(cfg, B: int, T: int, repeats: int, step_s: float) -> list:
     return sorted(rows, key=lambda r: -r["seconds_per_step"])
 
 
-def moe_ab(cfg, B: int, T: int, repeats: int) -> dict:
-    """One MoE layer forward + backward with each grouped matmul (`ragged_dot`, `tiled`), interleaved."""
-    kw = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=nnx.Rngs(0))
-    seg = packed_batch(B, T, cfg.vocab_size)["inputs_segmentation"]
-    x = jax.random.normal(jax.random.key(1), (B, T, cfg.emb_dim), kw["dtype"])
-    fns, flops = {}, {}
-    for impl in ("ragged_dot", "tiled"):
-        spec = cfg.layer_spec("mla", "moe")
-        spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, grouped_matmul=impl))
-        fn, params = _fwd_bwd(DecoderLayer(spec, **kw).mlp, lambda m, x: m(x, seg)[0])
-        fns[impl] = lambda f=fn, p=params: jax.block_until_ready(f(p, x))
-        flops[impl] = xla_flops(fn.lower(params, x).compile()) / 1e9
-    times = interleaved(fns, repeats)
-    return {"seconds": times, "xla_gflop": flops, "ragged_over_tiled": times["ragged_dot"] / times["tiled"]}
-
-
 def attention_ab(cfg, T: int, median_doc: int, repeats: int) -> dict:
     """One MLA mixer forward + backward at [1, T] packed with many documents, with each attention kernel
     (`dot_product`: dense masked [T, T]; `flash`: tiles, fully masked ones skipped), interleaved."""
@@ -292,38 +272,6 @@ def attention_ab(cfg, T: int, median_doc: int, repeats: int) -> dict:
     return {"T": T, "documents": int(seg.max()), "seconds": times, "xla_gflop": flops,
             "dense_over_flash": times["dot_product"] / times["flash"], "max_abs_grad_difference": diff,
             "flash_tiles": {"block": cfg.attention_block_size, "computed": computed, "total": total}}
-
-
-@contextlib.contextmanager
-def head_impl(name: str):
-    """Trace the model with its `head_matmul` ("custom") or with autodiff's plain matmul ("autodiff": the code
-    before issue 15's head change); what is compiled inside keeps it."""
-    saved = head_lib.head_matmul
-    head_lib.head_matmul = saved if name == "custom" else jnp.matmul
-    try:
-        yield
-    finally:
-        head_lib.head_matmul = saved
-
-
-def head_ab(cfg, B: int, T: int, repeats: int) -> dict:
-    """The vocab head's weight-gradient formulation, A/B in one run: the whole train step and the isolated
-    embedding + head + loss component, each compiled with autodiff's matmul and with `head_matmul`,
-    interleaved; wall and process CPU seconds, XLA GFLOP, compiled temp memory."""
-    fns, row, state = {}, {}, []  # both steps advance one state (memory: one ling3_small state is 2.7 GB)
-    fn, args, calls = head_component(cfg, B, T)
-    for impl in ("autodiff", "custom"):
-        with head_impl(impl):
-            compiled, fns[f"step, {impl}"], _ = compiled_step(cfg, B, T, state)
-            head = jax.jit(lambda *a, f=fn.__wrapped__: f(*a)).lower(*args).compile()  # a new trace per impl
-        fns[f"head x{calls}, {impl}"] = lambda h=head, a=args, n=calls: [jax.block_until_ready(h(*a)) for _ in range(n)]
-        for name, c, n in ((f"step, {impl}", compiled, 1), (f"head x{calls}, {impl}", head, calls)):
-            row[name] = {"xla_gflop": xla_flops(c) * n / 1e9, "temp_mib": c.memory_analysis().temp_size_in_bytes / 2 ** 20}
-    cpu = {}
-    times = interleaved(fns, repeats, cpu)
-    for name in fns:
-        row[name].update(wall_s=times[name], cpu_s=cpu[name])
-    return row
 
 
 def hlo_ops(cfg, B: int, T: int) -> int:
@@ -351,29 +299,56 @@ def compile_parts(cfg, B: int, T: int) -> list:
     return rows
 
 
+def table(result: dict) -> str:
+    """The `bench_train` results block: one row per model of a default-mode run (its JSON)."""
+    models = result["models"]
+    lines = [f"Train step of each model (lingpack at commit {result['commit']}; B x T tokens of synthetic packed rows,"
+             f" fp32; {result['repeats']} timed steps, median; load average {result['load_average_at_start'][0]:.1f}"
+             " at the start). MFU: the analytic training FLOPs over a 1024^2 fp32 matmul timed in the same run.", "",
+             "| model | layers (scanned) | B x T | compile s (CPU s) | StableHLO ops | step s (CPU s) | tokens/s"
+             " | MFU (ceiling GFLOP/s) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for name, r in models.items():
+        lines.append(f"| {name} | {r['layers']} ({r['scanned_layers']}) | {r['B']} x {r['T']} | {r['compile_s']:.1f}"
+                     f" ({r['compile_cpu_s']:.1f}) | {r['stablehlo_ops']:,} | {r['step_s']:.3f} ({r['step_cpu_s']:.3f})"
+                     f" | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% ({r['ceiling_gflops']:.1f}) |")
+    if "small4" in models and "small24" in models:
+        deep, shallow = models["small24"], models["small4"]
+        ratio = lambda key: deep[key] / shallow[key]
+        lines += ["", f"ling3_small widths, 24 against 4 layers: compile {ratio('compile_s'):.2f}x (CPU"
+                  f" {ratio('compile_cpu_s'):.2f}x), StableHLO ops {ratio('stablehlo_ops'):.2f}x,"
+                  f" step {ratio('step_s'):.2f}x."]
+    for name, r in models.items():
+        if r.get("breakdown"):
+            lines += ["", f"{name}: each component jitted alone (forward + backward) x its calls per step, as a share"
+                      f" of the step's {r['step_s']:.3f} s", "",
+                      "| component | calls | share of step | XLA GFLOP per step |", "|---|---:|---:|---:|"]
+            lines += [f"| {c['component']} | {c['calls']} | {100 * c['share_of_step']:.1f}% |"
+                      f" {c['xla_gflop_per_step']:.2f} |" for c in r["breakdown"]]
+    return "\n".join(lines) + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 repeats, no breakdown")
-    parser.add_argument("--models", default="tiny,small,small24")
-    parser.add_argument("--label", default="after", help="names the output file, e.g. before / after")
+    parser.add_argument("--models", default="tiny,small,small4,small24")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a top-level model key for every model (e.g. remat=false)")
-    parser.add_argument("--moe-ab", action="store_true", help="only the MoE grouped-matmul A/B per model")
     parser.add_argument("--attention-ab", type=int, default=0, metavar="T",
-                        help="only the MLA attention A/B (dense vs tile-skipping flash) at [1, T], median document T/16")
+                        help="only the MLA attention A/B (dense vs tile-skipping flash) at [1, T], documents of ~T/16")
     parser.add_argument("--compile-parts", action="store_true",
                         help="only the compile cost (ops, CPU seconds) of each component's fwd+bwd alone")
-    parser.add_argument("--head-ab", action="store_true",
-                        help="only the vocab head A/B (autodiff's weight gradient vs head_matmul): step and head + loss")
-    parser.add_argument("--hlo-ops", action="store_true", help="only count the lowered step's ops, scanned and unrolled")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--hlo-ops", action="store_true", help="only the lowered step's ops, scanned and unrolled")
+    parser.add_argument("--out", default=None, help="default: results/bench_train[_MODE].json")
     args = parser.parse_args()
     repeats = 2 if args.quick else 5
     extra = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores, label {args.label}, {extra}")
-    result = {"label": args.label, "overrides": extra, "repeats": repeats, "load_average_at_start": os.getloadavg(),
-              "models": {}}
-    out = Path(args.out or ROOT / "experiments" / "results" / f"bench_train_{args.label}.json")
+    mode = "attention" if args.attention_ab else "compile_parts" if args.compile_parts else \
+        "hlo_ops" if args.hlo_ops else None
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores, {mode or 'step'}, {extra}")
+    result = {"mode": mode or "step", "commit": commit(), "overrides": extra, "repeats": repeats,
+              "load_average_at_start": os.getloadavg(), "models": {}}
+    out = Path(args.out or RESULTS / f"bench_train{'_' + mode if mode else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         cfg, B, T = model_config(name, **extra)
@@ -388,13 +363,6 @@ def main():
             row = attention_ab(cfg, args.attention_ab, args.attention_ab // 16, repeats)
             lines = [f"{name:8s} MLA mixer fwd+bwd, T={row['T']}, {row['documents']} documents: {row['seconds']} s,"
                      f" XLA GFLOP {row['xla_gflop']}, flash tiles {row['flash_tiles']}"]
-        elif args.head_ab:
-            row = head_ab(cfg, B, T, repeats)
-            lines = [f"{name:8s} {k:24s} cpu {r['cpu_s']:7.3f} s | wall {r['wall_s']:7.3f} s | XLA {r['xla_gflop']:7.1f}"
-                     f" GFLOP | temp {r['temp_mib']:6.0f} MiB" for k, r in row.items()]
-        elif args.moe_ab:
-            row = moe_ab(cfg, B, T, repeats)
-            lines = [f"{name:8s} MoE layer fwd+bwd: {row['seconds']} s, XLA GFLOP {row['xla_gflop']}"]
         else:
             row = bench_step(cfg, B, T, repeats)
             lines = [f"{name:8s} layers {row['layers']:2d} B={B} T={T}: compile {row['compile_s']:6.1f} s"
@@ -410,6 +378,8 @@ def main():
         print("\n".join(lines), flush=True)
         result["models"][name] = row
         out.write_text(json.dumps(result, indent=2))  # after every model: a long run that dies keeps its rows
+    if not mode:
+        print(table(result))
     print(f"wrote {out}")
 
 

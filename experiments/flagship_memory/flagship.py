@@ -1,0 +1,153 @@
+"""The flagship's compiled train step per device: batch collectives, SPMD remat warnings, temporaries.
+
+    python -m experiments.flagship_memory.flagship [--cases fsdp8 fsdp8-whole fsdp8-expert8 ...] [--attribute]
+
+Model: conf/model/ling3_flagship.yaml (24 layers, V=157184, 128 experts, MTP), flash attention (the CPU
+compile of `auto`), KDA `chunked`, its `vocab_chunk_size` unless a case says otherwise; one row of T=8192 per
+device. Each case compiles in its own process (its fake device count set before JAX starts; XLA's C++ log
+on fd 2 captured), abstractly (`TrainProgram.lower().compile()`, nothing runs), and reports:
+
+* `batch_collectives`: all-gathers / all-reduces whose result carries the global rows x T leading dims, or the
+  MoE's global token rows (rows * T, rows * T * top_k): activations of every row on every device;
+* `remat_warnings`: XLA's "Involuntary full rematerialization" messages (the partitioner replicating a tensor);
+* `memory_analysis()`: temporaries and arguments per device;
+* with `--attribute`: the values live at the peak of XLA:CPU's buffer assignment (`lingpack.hlo.peak_buffers`),
+  grouped by the model part that made them (the named scopes: embed, layer<i>, stack, head, mtp<d>) and by op.
+
+Writes results/flagship.json (one entry per case, merged into what is there). Each compile needs 10-30 GiB
+of host memory: run it under `flock /tmp/lingpack-bigmem.lock` on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from experiments.provenance import commit
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(__file__).resolve().parent / "results"
+T = 8192
+WARNING = "Involuntary full rematerialization"
+# name: (devices, parallel axes, model overrides, tokens per row)
+CASES = {
+    "fsdp8": (8, dict(data=1, fsdp=8), {}, T),
+    "fsdp8-whole": (8, dict(data=1, fsdp=8), dict(vocab_chunk_size=0), T),
+    "fsdp8-expert8": (64, dict(data=1, fsdp=8, expert=8), {}, T),
+    "fsdp8-4layers": (8, dict(data=1, fsdp=8), dict(num_layers=4), T),
+    "fsdp8-8layers": (8, dict(data=1, fsdp=8), dict(num_layers=8), T),
+    "one-2layers-T4096": (1, dict(data=1), dict(num_layers=2, vocab_chunk_size=16384), 4096),
+    "one-2layers-T4096-whole": (1, dict(data=1), dict(num_layers=2, vocab_chunk_size=0), 4096),
+}
+
+
+def model_config(overrides: dict):
+    import yaml
+
+    from lingpack.models.ling3 import config_from_dict
+    d = yaml.safe_load((ROOT / "conf/model/ling3_flagship.yaml").read_text())
+    d.update(attention_impl="flash", **overrides)
+    return config_from_dict(d)
+
+
+def part(buffer) -> str:
+    """The model part that produced a buffer: the first named scope of its op name (embed, layer3, stack, ...)."""
+    found = re.search(r"/(embed|layer\d+|stack|head|mtp\d+)/", buffer.op_name or "")
+    if found:
+        return found.group(1)
+    return "optimizer/other" if buffer.op_name else "unnamed"
+
+
+def op_kind(buffer) -> str:
+    """The op and the innermost lingpack frame that made a buffer, e.g. 'dot_general @ models/moe.py:123'."""
+    op = (buffer.op_name or "?").rsplit("/", 1)[-1]
+    frame = buffer.frame_under("lingpack")
+    where = f" @ {frame[0].split('/lingpack/', 1)[-1]}:{frame[2]}" if frame else ""
+    return op + where
+
+
+def one(name: str, attribute: bool) -> dict:
+    """Compile one case in this process (its device count already set) and measure it."""
+    import jax
+
+    from lingpack import hlo
+    from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
+    from lingpack.train.program import TrainProgram
+
+    devices, axes, overrides, tokens = CASES[name]
+    model = model_config(overrides)
+    program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=10), ParallelConfig(**axes), TrainConfig(),
+                                 rows=devices, seq_length=tokens, devices=jax.devices()[:devices])
+    lowered = program.lower()
+    start = time.process_time()
+    with tempfile.TemporaryDirectory() as dump:
+        if attribute:
+            compiled, live_range = hlo.compile_with_buffer_dump(lowered, dump)
+        else:
+            compiled, live_range = lowered.compile(), None
+    compile_s = time.process_time() - start
+    text = compiled.as_text()
+    m = compiled.memory_analysis()
+    ops, _ = hlo.collective_ops(text)
+    rows_T = {devices * tokens, devices * tokens * model.moe.top_k}
+    batch = [f"{op.kind} {op.shape}" for op in ops if op.group_size != 1 and op.kind in ("all-gather", "all-reduce")
+             and any(dims[:2] == (devices, tokens) or dims[:1] and dims[0] in rows_T for dims in op.dims)]
+    out = {"devices": devices, "axes": axes, "rows": devices, "T": tokens, "model": overrides,
+           "vocab_chunk_size": model.vocab_chunk_size, "num_layers": model.num_layers,
+           "temp_bytes": int(m.temp_size_in_bytes), "argument_bytes": int(m.argument_size_in_bytes),
+           "output_bytes": int(m.output_size_in_bytes), "batch_collectives": len(batch),
+           "batch_collective_shapes": sorted(set(batch)), "compile_cpu_s": round(compile_s, 1)}
+    if live_range is not None:
+        buffers = hlo.peak_buffers(live_range, text)
+        total = sum(b.bytes for b in buffers)
+        out["peak"] = {"bytes": total,
+                       "by_part": hlo.group_bytes(buffers, part),
+                       "by_op": dict(list(hlo.group_bytes(buffers, op_kind).items())[:25]),
+                       "largest": [{"bytes": b.bytes, "name": b.name, "shape": b.shape, "part": part(b), "op": op_kind(b)}
+                                   for b in buffers[:25]]}
+    return out
+
+
+def run_case(name: str, attribute: bool) -> dict:
+    """`one(name)` in a fresh process with its fake device count; XLA's warnings counted from its stderr."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={CASES[name][0]}", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "experiments.flagship_memory.flagship", "--one", name] + (["--attribute"] if attribute else [])
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"case {name} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["remat_warnings"] = proc.stderr.count(WARNING)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["fsdp8", "fsdp8-expert8"], choices=list(CASES))
+    parser.add_argument("--attribute", action="store_true", help="group the peak's buffers by model part and op")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.attribute)))
+        return
+    path = OUT / "flagship.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    for name in args.cases:
+        result = run_case(name, args.attribute)
+        result.update(commit=commit(), machine="shared 2-core CPU host (XLA:CPU, fake devices)")
+        results[name] = result
+        OUT.mkdir(exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"{name}: temp {result['temp_bytes'] / 2**30:.1f} GiB, arguments {result['argument_bytes'] / 2**30:.1f} GiB, "
+              f"batch collectives {result['batch_collectives']}, remat warnings {result['remat_warnings']}, "
+              f"compile {result['compile_cpu_s']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -41,6 +41,7 @@ def renderers() -> dict:
     from experiments.pallas_cost import cost_model
     from experiments.phantom_overhead import sweep
     from experiments.plan import flagship as plan_flagship
+    from experiments.whole_document_packing import fill as packing_fill
 
     def cp_table():
         result = _load("experiments/context_parallel/results/results.json")
@@ -51,6 +52,7 @@ def renderers() -> dict:
     plans = "experiments/plan/results/flagship.json"
     attribution = "experiments/context_parallel/results/attribution.json"
     expert = "experiments/expert_parallel/results/results.json"
+    fill = "experiments/whole_document_packing/results/fill.json"
     return {
         "make_run": ("experiments/make_run/results/summary.json", run_default,
                      lambda: run_default.table(_load("experiments/make_run/results/summary.json"))),
@@ -70,6 +72,7 @@ def renderers() -> dict:
         "plan_flagship": (plans, plan_flagship, lambda: plan_flagship.table(_load(plans))),
         "cp_attribution": (attribution, cp_attribution, lambda: cp_attribution.table(_load(attribution))),
         "expert_parallel": (expert, ep_bench, lambda: ep_bench.table(_load(expert))),
+        "whole_document_packing": (fill, packing_fill, lambda: packing_fill.table(_load(fill))),
     }
 
 

@@ -258,6 +258,33 @@ def _check_batch_shape(data: DataConfig, train: TrainConfig, loss, parallel: Par
                     f"{parts}, or change parallel.context") from None
 
 
+def _whole_document_rows(data: DataConfig, schedule: ContextSchedule, parallel: ParallelConfig,
+                         kernel: KernelConfig) -> tuple[DataConfig, ContextSchedule, tuple]:
+    """data.packing=whole_documents pads rows, so their length is free: under context parallelism every row
+    length (data.seq_length, each schedule stage's) is rounded up to a multiple of 2 x context x the KDA
+    chunk (context x chunk without load balance), so each device's zigzag chunk is whole KDA chunks."""
+    if data.packing != "whole_documents" or parallel.context <= 1:
+        return data, schedule, ()
+    multiple = (2 if parallel.load_balance else 1) * parallel.context * kernel.chunk_size
+
+    def rounded(length: int) -> int:
+        return -(-length // multiple) * multiple
+
+    notes = []
+    if schedule.enabled:
+        stages = tuple(dataclasses.replace(s, seq_length=rounded(s.seq_length)) for s in schedule.stages)
+        changed = [f"{a.seq_length}->{b.seq_length}" for a, b in zip(schedule.stages, stages) if a != b]
+        if changed:
+            notes.append(f"whole-document rows: schedule stage lengths {', '.join(changed)} (a multiple of {multiple}"
+                         f" for parallel.context={parallel.context}); set them so to silence this")
+        schedule = ContextSchedule(stages=stages)
+    elif rounded(data.seq_length) != data.seq_length:
+        notes.append(f"whole-document rows: data.seq_length={data.seq_length} rounded up to {rounded(data.seq_length)}"
+                     f" (a multiple of {multiple} for parallel.context={parallel.context}); set it so to silence this")
+        data = dataclasses.replace(data, seq_length=rounded(data.seq_length))
+    return data, schedule, tuple(notes)
+
+
 def _check_data_budget(data: DataConfig, train: TrainConfig, schedule: ContextSchedule) -> tuple[TrainConfig, tuple]:
     """The data against what the run reads (data/budget.py); a test split too small skips the test evaluation."""
     from lingpack.data import budget
@@ -316,8 +343,10 @@ def build(cfg: dict, run_dir: str, *, open_data: bool = True) -> RunConfig:
     data = _train_samples(data, train)
     loss = make(LossConfig, cfg.get("loss"), "loss")
     schedule = make(ContextSchedule, cfg.get("schedule"), "schedule")
+    data, schedule, row_notes = _whole_document_rows(data, schedule, parallel, kernel)
     _check_batch_shape(data, train, loss, parallel, schedule)
     train, notes = _check_data_budget(data, train, schedule) if open_data else (train, ())
+    notes = row_notes + notes
     optim_values = dict(cfg.get("optim") or {})
     return RunConfig(
         name=str(cfg.get("name", "run")), seed=int(cfg.get("seed", 0)), model=model, kernel=kernel, data=data,

@@ -8,6 +8,7 @@ from lingpack.data.indices import parse_blend, parse_split
 
 SOURCES = ("megatron", "synthetic", "npy")
 INDEX_MODES = ("build", "mmap_npy")
+PACKINGS = ("samples", "whole_documents")
 LENGTH_DISTRIBUTIONS = ("lognormal", "exponential", "uniform", "fixed")
 
 
@@ -26,6 +27,9 @@ class DataConfig:
                memory-maps the `.npy` indices a Megatron run cached in cache_dir (its
                --data-cache-path), so both runs read exactly the same samples.
     worker_count: Grain worker processes (0 = in-process); read_threads: Grain reader threads.
+    packing:   "samples" (Megatron's: the document stream cut into seq_length + 1 windows, shuffled) or
+               "whole_documents" (documents kept whole, packed first-fit into padded rows, see packing.py);
+               packing_open_rows: rows filled at once by first fit (1: each row filled in turn).
     """
 
     source: str = "megatron"
@@ -55,6 +59,8 @@ class DataConfig:
     read_threads: int = 2
     prefetch_buffer_size: int = 4
     check_token_range: bool = True
+    packing: str = "samples"
+    packing_open_rows: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):  # accept "0.3 a 0.7 b" and ["a"] alike
@@ -63,6 +69,12 @@ class DataConfig:
             object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
         _choice("source", self.source, SOURCES)
         _choice("index_mode", self.index_mode, INDEX_MODES)
+        _choice("packing", self.packing, PACKINGS)
+        if self.packing_open_rows < 1:
+            raise ValueError(f"packing_open_rows={self.packing_open_rows} must be >= 1 (1: fill one row at a time)")
+        if self.packing == "whole_documents" and self.index_mode == "mmap_npy":
+            raise ValueError("packing='whole_documents' builds its own row index from the documents; "
+                             "index_mode='mmap_npy' reads Megatron's sample index: set index_mode=build")
         _choice("synthetic_length_distribution", self.synthetic_length_distribution,
                 LENGTH_DISTRIBUTIONS)
         parse_split(self.split)

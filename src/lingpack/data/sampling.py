@@ -4,12 +4,16 @@
 builds for one split: a single GPTDataset, or a BlendedDataset over several, with the same sample
 counts, seeds and order. Indices are built here ("build") or memory-mapped from a Megatron run's
 cache ("mmap_npy"). Item i of the result is the i-th sample Megatron reads: `seq_length + 1` tokens.
+With `packing="whole_documents"` each dataset's samples are its packed rows instead (packing.py), and a
+blend picks rows exactly as Megatron's blend picks samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import uuid
 
@@ -19,10 +23,13 @@ from lingpack.data import indices as ix
 from lingpack.data import megatron_cache
 from lingpack.data.config import DataConfig
 from lingpack.data.indexed import IndexedDataset
+from lingpack.data.packing import PackedRows, build_packed_rows
 from lingpack.data.sources import FlatTokenDocuments, SyntheticDocuments
 from lingpack.errors import ConfigError
 
 CACHE_FORMAT_VERSION = 1
+log = logging.getLogger("lingpack.data")
+_REPORTED: set = set()   # packed splits already reported by this process: the counts are logged once
 
 
 class MegatronSamples:
@@ -31,15 +38,17 @@ class MegatronSamples:
     def __init__(
         self,
         documents: list,
-        gpt_indices: list[ix.GPTIndices],
+        gpt_indices: list,
         blend: tuple[np.ndarray, np.ndarray] | None,
         *,
         seq_length: int,
         pad_id: int,
         vocab_size: int | None,
+        eod_id: int = -1,
     ) -> None:
+        """`gpt_indices`: per dataset, its `GPTIndices` (Megatron samples) or `PackedRows` (whole documents)."""
         self.documents, self.gpt_indices, self.blend = documents, gpt_indices, blend
-        self.seq_length, self.pad_id, self.vocab_size = seq_length, pad_id, vocab_size
+        self.seq_length, self.pad_id, self.vocab_size, self.eod_id = seq_length, pad_id, vocab_size, eod_id
 
     def __len__(self) -> int:
         return int(len(self.blend[0]) if self.blend is not None else len(self.gpt_indices[0]))
@@ -55,10 +64,11 @@ class MegatronSamples:
         if not 0 <= sample < len(self):
             raise IndexError(f"sample {sample} out of range [0, {len(self)})")
         dataset, dataset_sample = self.locate(sample)
-        documents = self.documents[dataset]
-        window = ix.read_sample(
-            documents, self.gpt_indices[dataset], dataset_sample, self.seq_length, self.pad_id
-        )
+        documents, indices = self.documents[dataset], self.gpt_indices[dataset]
+        if isinstance(indices, PackedRows):
+            window = indices.read(documents, dataset_sample, self.seq_length + 1, self.pad_id, self.eod_id)
+        else:
+            window = ix.read_sample(documents, indices, dataset_sample, self.seq_length, self.pad_id)
         if self.vocab_size is not None:
             bad = (window >= self.vocab_size) | ((window < 0) & (window != self.pad_id))
             if bad.any():
@@ -95,15 +105,18 @@ def open_documents(cfg: DataConfig) -> tuple[list, list[str], list[float] | None
 def build_samples(cfg: DataConfig, split_name: str = "train") -> MegatronSamples:
     documents, names, weights = open_documents(cfg)
     size = cfg.num_samples if split_name == "train" else cfg.eval_num_samples
+    packed = cfg.packing == "whole_documents"
     if cfg.num_epochs is not None:
         if len(documents) > 1:
             raise ConfigError("data.num_epochs needs a single dataset; give a blend data.num_samples instead")
-        size = _samples_for_epochs(cfg, documents[0], split_name)
+        size = None if packed else _samples_for_epochs(cfg, documents[0], split_name)
 
-    def gpt(dataset: int, num_samples: int | None) -> ix.GPTIndices:
+    def gpt(dataset: int, num_samples: int | None):
+        if packed:
+            return _packed_rows(cfg, documents[dataset], names[dataset], split_name, num_samples)
         return _gpt_indices(cfg, documents[dataset], names[dataset], split_name, num_samples)
 
-    common = dict(seq_length=cfg.seq_length, pad_id=cfg.pad_id,
+    common = dict(seq_length=cfg.seq_length, pad_id=cfg.pad_id, eod_id=cfg.eod_id,
                   vocab_size=cfg.vocab_size if cfg.check_token_range else None)
     if len(documents) == 1 and weights is None:
         return MegatronSamples(documents, [gpt(0, size)], None, **common)
@@ -167,6 +180,36 @@ def _gpt_indices(cfg, documents, name, split_name, num_samples) -> ix.GPTIndices
                split_name=split_name, seed=cfg.seed, seq_length=cfg.seq_length,
                num_samples=num_samples)
     return ix.GPTIndices(**_cached(cfg.cache_dir if cfg.source != "synthetic" else None, key, build))
+
+
+def _packed_rows(cfg, documents, name, split_name, num_rows) -> PackedRows:
+    lengths = documents.sequence_lengths
+    sequence_ids = ix.split_sequence_range(len(lengths), cfg.split, split_name)
+    capacity = cfg.seq_length + 1    # a row is a window of T + 1 tokens: the last one is only a target
+    epochs = cfg.num_epochs if split_name == "train" else None
+    where = f"{documents.name} ({split_name} split)"
+
+    def build() -> dict[str, np.ndarray]:
+        rows = build_packed_rows(lengths, sequence_ids, capacity=capacity, open_rows=cfg.packing_open_rows,
+                                 seed=cfg.seed, num_rows=num_rows, num_epochs=epochs, name=where)
+        return dataclasses.asdict(rows)
+
+    key = dict(kind="packed", dataset=_fingerprint(cfg, documents, name), split=cfg.split, split_name=split_name,
+               seed=cfg.seed, capacity=capacity, open_rows=cfg.packing_open_rows, num_rows=num_rows,
+               num_epochs=epochs)
+    rows = PackedRows(**_cached(cfg.cache_dir if cfg.source != "synthetic" else None, key, build))
+    reported = json.dumps(dict(key, name=where, documents=len(lengths)), sort_keys=True)
+    if reported in _REPORTED:
+        return rows
+    _REPORTED.add(reported)
+    stats = rows.stats(lengths, capacity)
+    log.info("whole-document packing, %s: %d documents in %d rows of %d tokens, %.1f%% padding", where,
+             stats["documents"], stats["rows"], cfg.seq_length, 100.0 * stats["padding_tokens"] / (len(rows) * capacity))
+    if stats["cut_documents"]:
+        log.warning("whole-document packing, %s: %d document(s) longer than a row of %d tokens cut into %d row-length "
+                    "pieces (no token dropped; positions restart in each piece); raise data.seq_length to keep them "
+                    "whole", where, stats["cut_documents"], cfg.seq_length, stats["cut_pieces"])
+    return rows
 
 
 def _blend_indices(cfg, names, split_name, weights, size, per_dataset):

@@ -33,7 +33,9 @@ def renderers() -> dict:
     """Block name -> (artifact, the script that writes it, a function of nothing that renders the block)."""
     from experiments.bench_kda import bench as bench_kda
     from experiments.bench_train import bench as bench_train
-    from experiments.context_parallel import bench as cp_bench, context_schedule, model_memory
+    from experiments.context_parallel import attribution as cp_attribution, bench as cp_bench, context_schedule
+    from experiments.context_parallel import model_memory
+    from experiments.expert_parallel import bench as ep_bench
     from experiments.loss_parity import run_parity
     from experiments.make_run import run_default
     from experiments.pallas_cost import cost_model
@@ -48,6 +50,8 @@ def renderers() -> dict:
     memory = "experiments/context_parallel/results/model_memory.json"
     schedule = "experiments/context_parallel/results/context_schedule.json"
     plans = "experiments/plan/results/flagship.json"
+    attribution = "experiments/context_parallel/results/attribution.json"
+    expert = "experiments/expert_parallel/results/results.json"
     fill = "experiments/whole_document_packing/results/fill.json"
     return {
         "make_run": ("experiments/make_run/results/summary.json", run_default,
@@ -66,6 +70,8 @@ def renderers() -> dict:
         "context_parallel_model": (memory, model_memory, lambda: model_memory.table(_load(memory))),
         "context_schedule": (schedule, context_schedule, lambda: context_schedule.table(_load(schedule))),
         "plan_flagship": (plans, plan_flagship, lambda: plan_flagship.table(_load(plans))),
+        "cp_attribution": (attribution, cp_attribution, lambda: cp_attribution.table(_load(attribution))),
+        "expert_parallel": (expert, ep_bench, lambda: ep_bench.table(_load(expert))),
         "whole_document_packing": (fill, packing_fill, lambda: packing_fill.table(_load(fill))),
     }
 

@@ -9,7 +9,9 @@ token is ever dropped: `jax.lax.ragged_dot` on TPU (XLA:TPU's grouped matmul), `
 CPU and GPU, where XLA expands ragged_dot into a dense dot of every row against every expert (E times the
 work; docs/kernels.md#moe-grouped-matmul measures it on CPU); on NVIDIA GPUs the expansion is
 openxla/xla:xla/hlo/transforms/expanders/ragged_dot_rewriter.cc, unless an experimental cuDNN flag is set.
-Shared experts see every token. Under context parallelism every device dispatches its own tokens.
+Shared experts see every token. Under context parallelism every device dispatches its own tokens; with the
+experts split over axes that also split the tokens (`parallel.expert`), the assignments travel to the
+experts' devices by all-to-all (parallel/expert.py).
 
 `expert_bias` is an `ExpertBias` variable, not an `nnx.Param`: gradients never reach it; it moves only
 through `update_expert_bias` (outside the gradient), from the per-expert load counts each call returns.
@@ -29,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from lingpack import backend
 from lingpack.models.layers import DEFAULT_INIT, MLP, partitioned
+from lingpack.parallel import expert
 from lingpack.parallel.context import current, dividing_axes
 from lingpack.parallel.layout import axis_tuple, constrain, current_layout
 from lingpack.precision import at_least_fp32
@@ -47,6 +50,10 @@ class MoEConfig:
     bias_update_rate: float = 1e-3        # used by the training loop's `update_expert_bias` call
     z_loss_coef: float = 0.0              # Ling3: 2.9e-6; the loss module scales `router_z_loss` by it
     grouped_matmul: str = "auto"          # "ragged_dot", "tiled", or "auto" (GROUPED_MATMUL_AUTO per platform)
+    # experts split over axes that also split the tokens: "all_to_all" sends the tokens to the experts'
+    # devices (parallel/expert.py); "gather" all-gathers every expert onto every device instead
+    expert_parallel: str = "all_to_all"
+    expert_parallel_chunks: int = 1       # all_to_all: the device's tokens dispatched in this many rounds
 
     def __post_init__(self):
         E, G = self.num_experts, self.n_groups
@@ -60,12 +67,17 @@ class MoEConfig:
             raise ValueError(f"moe: group scores sum each group's 2 best experts; num_experts/n_groups = {E // G} < 2")
         if self.grouped_matmul not in GROUPED_MATMULS:
             raise ValueError(f"moe.grouped_matmul must be one of {GROUPED_MATMULS}; got {self.grouped_matmul!r}")
+        if self.expert_parallel not in EXPERT_PARALLEL:
+            raise ValueError(f"moe.expert_parallel must be one of {EXPERT_PARALLEL}; got {self.expert_parallel!r}")
+        if self.expert_parallel_chunks < 1:
+            raise ValueError(f"moe.expert_parallel_chunks={self.expert_parallel_chunks} must be >= 1")
         if self.topk_groups * (E // G) < self.top_k:
             raise ValueError(f"moe: the {self.topk_groups} kept groups hold {self.topk_groups * (E // G)} experts,"
                              f" fewer than top_k={self.top_k}; raise topk_groups")
 
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+EXPERT_PARALLEL = ("all_to_all", "gather")
 GROUPED_MATMUL_AUTO = {"tpu": "ragged_dot", "gpu": "tiled", "cpu": "tiled"}   # the module docstring says why
 TILE_ROWS = 32  # rows per tile of `tiled_grouped_matmul`: at most E * (TILE_ROWS - 1) filler rows per call
 
@@ -112,25 +124,28 @@ def _token_mapping(B: int, T: int):
     return None
 
 
-def _expert_weight_specs(layout, tokens: P, shapes) -> tuple[list[P], tuple, tuple]:
-    """(in_specs of wi_gate [E, D, I], wi_up, wo [E, I, D]; mesh axes to all-gather E over; axes to psum over).
+def _expert_weight_specs(layout, tokens: P, shapes, all_to_all: bool = True) -> tuple[list[P], tuple, tuple, tuple]:
+    """(in_specs of wi_gate [E, D, I], wi_up, wo [E, I, D]; axes to all-gather E over; to psum over; the EP axes).
 
-    Experts enter split over the `exp` rule's axes (gathered inside: the place expert parallelism would send
-    tokens instead), expert widths over the `mlp` rule's (each device computes its slice of I, outputs are
-    summed), unless those axes also split the tokens; the model width D enters whole (an FSDP gather).
+    Experts enter split over the `exp` rule's axes, expert widths over the `mlp` rule's (each device computes
+    its slice of I, outputs are summed), unless those axes also split the tokens; the model width D enters
+    whole (an FSDP gather). When the `exp` axes also split the tokens they are the expert-parallel group
+    (fourth result, unless `all_to_all` is False): tokens travel to the experts (parallel/expert.py). Else
+    experts split over axes that do not split the tokens are all-gathered inside, the rest enter whole.
     """
     if layout is None:
-        return [P()] * 3, (), ()
+        return [P()] * 3, (), (), ()
     token_axes = {a for entry in tokens for a in axis_tuple(entry)}
     E, _, I = shapes[0]
     spec = layout.spec(("exp", "mlp"), (E, I))
+    ep = expert.ep_axes(spec[0], token_axes) if all_to_all else ()
     gather, reduce = (tuple(a for a in axis_tuple(entry) if a not in token_axes) for entry in spec)
     if math.prod(layout.mesh.shape[a] for a in gather) != math.prod(layout.mesh.shape[a] for a in axis_tuple(spec[0])):
-        gather = ()   # part of the expert axis also splits the tokens: enter whole
+        gather = ()   # part of the expert axis also splits the tokens: expert parallelism, or enter whole
     if math.prod(layout.mesh.shape[a] for a in reduce) != math.prod(layout.mesh.shape[a] for a in axis_tuple(spec[1])):
         reduce = ()
-    e, i = (axes[0] if len(axes) == 1 else (axes or None) for axes in (gather, reduce))
-    return [P(e, None, i), P(e, None, i), P(e, i, None)], gather, reduce
+    e, i = (axes[0] if len(axes) == 1 else (axes or None) for axes in (ep or gather, reduce))
+    return [P(e, None, i), P(e, None, i), P(e, i, None)], gather, reduce, ep
 
 
 class ExpertBias(nnx.Variable):
@@ -183,29 +198,37 @@ class MoE(nnx.Module):
         if mapped is None:
             return self._route_and_dispatch(x_BTD, *weights)
         mesh, tokens, layout = mapped
-        expert_specs, gather, reduce = _expert_weight_specs(layout, tokens, [w.shape for w in weights[2:]])
+        expert_specs, gather, reduce, ep = _expert_weight_specs(layout, tokens, [w.shape for w in weights[2:]],
+                                                                self.cfg.expert_parallel == "all_to_all")
 
         def local(x, router, bias, *experts_w):
-            # experts split over `gather` axes (`exp`) come back whole here (their gradient is reduce-scattered):
-            # the point where expert parallelism would send tokens to the experts' devices instead
+            # experts split over `gather` axes (`exp`) come back whole here (their gradient is reduce-scattered);
+            # split over `ep` axes they stay local and the tokens travel instead
             experts_w = [jax.lax.all_gather(e, gather, axis=0, tiled=True) if gather else e for e in experts_w]
-            y, idx, logits = self._route_and_dispatch(x, router, bias, *experts_w)
+            y, idx, logits = self._route_and_dispatch(x, router, bias, *experts_w, ep=ep)
             return (jax.lax.psum(y, reduce) if reduce else y), idx, logits   # widths split over `reduce`: partial sums
 
         # router and bias enter replicated (small); their gradients are summed over devices by the transpose
         return jax.shard_map(local, mesh=mesh, in_specs=(tokens, P(), P(), *expert_specs), out_specs=(tokens,) * 3,
                              check_vma=False)(x_BTD, *weights)
 
-    def _route_and_dispatch(self, x_BTD, router_DE, bias_E, wi_gate, wi_up, wo):
+    def _route_and_dispatch(self, x_BTD, router_DE, bias_E, wi_gate, wi_up, wo, ep=()):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         logits_NE = x_ND.astype(self.routing_dtype) @ router_DE  # fp32 routing (see the router's comment)
         idx_NK, weights_NK = route(logits_NE, bias_E, self.cfg)
-        y_ND = self._dispatch(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo)
+        y_ND = self._dispatch(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep)
         return y_ND.reshape(B, T, D), idx_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1)
 
-    def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo) -> jax.Array:
-        """Sort assignments by expert, grouped matmuls, weighted scatter-add back."""
+    def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep=()) -> jax.Array:
+        """Sort assignments by expert, grouped matmuls (on the experts' devices over `ep` axes), weighted
+        scatter-add back; over `ep`, in `expert_parallel_chunks` rounds of the tokens."""
+        if ep:
+            body = lambda x, i, w: self._dispatch_rows(x, i, w, wi_gate, wi_up, wo, ep)
+            return expert.in_rounds(body, self.cfg.expert_parallel_chunks, x_ND, idx_NK, weights_NK)
+        return self._dispatch_rows(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep)
+
+    def _dispatch_rows(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep) -> jax.Array:
         N, D = x_ND.shape
         k, E = idx_NK.shape[1], self.cfg.num_experts
         flat_expert = idx_NK.reshape(-1)
@@ -216,9 +239,13 @@ class MoE(nnx.Module):
         choice = GROUPED_MATMUL_AUTO[backend.current()] if choice == "auto" else choice
         grouped = tiled_grouped_matmul if choice == "tiled" else jax.lax.ragged_dot
         wide = at_least_fp32(self.dtype)  # fp32 accumulation for bf16 (float64 for float64)
-        mm = lambda a, w: grouped(a, w.astype(self.dtype), group_sizes, preferred_element_type=wide)
-        h = jax.nn.silu(mm(x_sorted, wi_gate)) * mm(x_sorted, wi_up)
-        y_sorted = mm(h.astype(self.dtype), wo)
+
+        def experts_fn(x_MD, sizes):   # the experts held here (all E, or this device's E / EP under `ep`)
+            mm = lambda a, w: grouped(a, w.astype(self.dtype), sizes, preferred_element_type=wide)
+            return mm((jax.nn.silu(mm(x_MD, wi_gate)) * mm(x_MD, wi_up)).astype(self.dtype), wo)
+
+        y_sorted = (expert.dispatch(x_sorted, group_sizes, experts_fn, axis_name=ep, top_k=k) if ep
+                    else experts_fn(x_sorted, group_sizes))
         y_NKD = jnp.zeros((N * k, D), wide).at[order].set(y_sorted).reshape(N, k, D)
         return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK).astype(self.dtype)
 

@@ -8,6 +8,7 @@ Files
   ulysses.py   Ulysses all-to-all and USP (Ulysses x ring)
   kda_cp.py    KDA state passing (per-block affine summaries, all-gathered and folded in sequence order)
   halo.py      neighbour tokens by ppermute: the short-conv halo and the MTP roll
+  expert.py    expert parallelism (not CP): MoE assignments sent to their experts' devices by all-to-all
 The per-block math (online softmax, tile skipping, recomputing VJP) is kernels/attention/blockwise.py.
 
 How a layer learns it is under CP (the one rule every layer follows)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from lingpack import backend, hlo
+from lingpack.parallel import expert
 from lingpack.parallel.context import ContextParallel
 from lingpack.train import sharding as shard_lib
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -94,10 +95,12 @@ class TrainProgram:
         with_kernels: return (exported, the traced step's Pallas kernels by mode, `lingpack.hlo.pallas_kernels`);
         the second trace is the export's own, from JAX's trace cache. Triton custom calls (the GPU attention
         kernel) carry Triton IR that jax.export does not promise to load into another jaxlib, so that check is
-        waived: the export proves lowering, and it runs under the jaxlib that made it.
+        waived: the export proves lowering, and it runs under the jaxlib that made it. So is the one of XLA's
+        ragged all-to-all (expert parallelism on TPU/GPU), which StableHLO carries as a custom call.
         """
         platforms = {"gpu": "cuda"}.get(platform, platform)
         waived = [jax.export.DisabledSafetyCheck.custom_call(hlo.TRITON_CALL)] if platforms in ("cuda", "rocm") else []
+        waived.append(jax.export.DisabledSafetyCheck.custom_call(expert.RAGGED_ALL_TO_ALL))
         with backend.target(platform):
             exported = jax.export.export(self.step, platforms=[platforms], disabled_checks=waived)(
                 self.state_specs(), self.batch_specs())

@@ -1,0 +1,131 @@
+"""What the ling3_tiny train step holds at its memory peak under context parallelism, by part of the model.
+
+    python -m experiments.context_parallel.attribution [--T 65536] [--cp 1 8]
+    python -m experiments.context_parallel.attribution --table-only
+
+One train step (the model_memory.py configuration: ling3_tiny, B=1, fp32, ring MLA, zigzag; `TrainProgram`)
+is compiled per (T, CP) for CP devices on `context`, with XLA's buffer dump; every value live at the peak
+of the buffer assignment (`lingpack.hlo.peak_buffers`) is attributed to the named scope that produced it
+(`embed`, `layer<i>/<mixer or ffn>`, `head`, `mtp<d>`; the optimizer update and the entry parameters
+outside them). The table gives each part's bytes at CP=1 and at each CP, and its share of the CP=1 bytes
+(the goal is 1/CP for whatever grows with T). Each compile runs in its own subprocess; nothing runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0").strip()   # LLVM -O0: buffer assignment unchanged
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "experiments/context_parallel/results"
+MIB = 2 ** 20
+
+
+def part_of(buffer) -> str:
+    """The model part whose named scope produced `buffer` (layer scopes keep their mixer / ffn name); values
+    with no name stack go by the lingpack file that traced them."""
+    name = buffer.op_name
+    layer = re.search(r"\b(layer\d+|stack)\b.*?\b(kda|mla|moe|mlp)\b", name)
+    if layer:
+        return f"{layer.group(1)} {layer.group(2)}"
+    mtp = re.search(r"\b(mtp\d+)\b", name)
+    if mtp:
+        return mtp.group(1)
+    for scope in ("head_xent", "head", "embed"):
+        if re.search(rf"\b{scope}\b", name):
+            return "head" if scope == "head_xent" else scope
+    if any("optax" in f[0] or "train/optim.py" in f[0] for f in buffer.frames):
+        return "optimizer"
+    frame = buffer.frame_under("lingpack")
+    if frame is not None:
+        return f"{Path(frame[0]).stem}.py (no scope)"
+    return "loop carries, parameters (no producer named)" if not name else "other"
+
+
+def measure(T: int, cp: int) -> dict:
+    import jax
+
+    from experiments.context_parallel.model_memory import model_config
+    from lingpack import hlo
+    from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
+    from lingpack.train.program import TrainProgram
+
+    parallel = ParallelConfig(data=1, context=cp, context_strategy="ring", load_balance=True)
+    program = TrainProgram.build(model_config(), LossConfig(), OptimConfig(decay_steps=1000), parallel, TrainConfig(),
+                                 rows=1, seq_length=T, devices=jax.devices()[:cp])
+    with tempfile.TemporaryDirectory() as directory:
+        compiled, live = hlo.compile_with_buffer_dump(program.lower(), directory)
+    buffers = hlo.peak_buffers(live, compiled.as_text())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    return dict(T=T, cp=cp, commit=commit.strip(), peak_bytes=sum(b.bytes for b in buffers),
+                parts=hlo.group_bytes(buffers, part_of),
+                largest=[dict(bytes=b.bytes, shape=b.shape, part=part_of(b), op=b.op_name[-160:])
+                         for b in buffers[:15]])
+
+
+def table(results: dict) -> str:
+    by_T = {}
+    for r in results.values():
+        by_T.setdefault(r["T"], {})[r["cp"]] = r
+    lines = []
+    for T, runs in sorted(by_T.items()):
+        cps = sorted(runs)
+        base = runs.get(1)
+        lines += [f"ling3_tiny train step at T={T // 1024}K: values live at the buffer-assignment peak (MiB per "
+                  "device), by the scope that produced them; in brackets: / the CP=1 bytes.", "",
+                  "| part | " + " | ".join(f"CP={c}" for c in cps) + " |", "|---|" + "---|" * len(cps)]
+        parts = sorted({p for r in runs.values() for p in r["parts"]},
+                       key=lambda p: (-max(r["parts"].get(p, 0) for r in runs.values()), p))
+        for part in parts + ["total"]:
+            cells = []
+            for c in cps:
+                value = runs[c]["peak_bytes"] if part == "total" else runs[c]["parts"].get(part, 0)
+                ref = (base["peak_bytes"] if part == "total" else base["parts"].get(part, 0)) if base else 0
+                cells.append(f"{value / MIB:.1f}" + (f" ({value / ref:.3f})" if ref and c != 1 else ""))
+            lines.append(f"| {part} | " + " | ".join(cells) + " |")
+        lines.append("")
+    commits = sorted({r["commit"] for r in results.values()})
+    lines.append(f"Compiled for 8 fake CPU devices (shared 2-core host) at commit {', '.join(commits)}.")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--T", type=int, nargs="+", default=[65536])
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)   # worker: T cp -> JSON on stdout
+    parser.add_argument("--table-only", action="store_true")
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(*args.one)))
+        return
+    path = OUT / "attribution.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    if not args.table_only:
+        for T in args.T:
+            for cp in args.cp:
+                run = subprocess.run([sys.executable, "-m", "experiments.context_parallel.attribution", "--one",
+                                      str(T), str(cp)], cwd=ROOT, capture_output=True, text=True)
+                if run.returncode:
+                    print(run.stderr[-3000:], file=sys.stderr)
+                    continue
+                results[f"{T}/{cp}"] = json.loads(run.stdout.strip().splitlines()[-1])
+                path.write_text(json.dumps(results, indent=2) + "\n")
+                print(T, cp, results[f"{T}/{cp}"]["parts"], flush=True)
+    (OUT / "attribution.md").write_text(table(results))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

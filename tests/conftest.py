@@ -41,8 +41,7 @@ HEAVY_DUPLICATES = {
     "tests/runner/test_runner_smoke.py::test_overflowing_sweep_finishes_with_its_summary":
         "overflow: tests/train/test_train_overflow.py; run.py end to end: the SIGTERM/resume smoke",
     "tests/parity/test_parity_harness.py::test_ten_step_parity_fp32":
-        "the harness end to end: tests/parity/test_parity_routing.py (10 locked fp32 steps <= 1e-6) and "
-        "tests/parity/test_parity_float64.py (4 float64 steps <= 3e-15)",
+        "the harness end to end: tests/parity/test_parity_float64.py (4 float64 steps <= 3e-15)",
     "tests/train/test_train_ling3.py::test_ling3_trains_on_bundled_corpus_and_checkpoints":
         "bundled corpus + checkpoints: the run.py SIGTERM/resume smoke",
     "tests/models/test_ling3.py::test_packed_equals_per_document[reference-splash]":
@@ -52,6 +51,36 @@ HEAVY_DUPLICATES = {
     "tests/kernels/test_kda_pallas_model.py::test_ling3_packed_equals_per_document_with_pallas_kda[pallas_varlen]":
         "the kernel per document: tests/kernels/test_kda_pallas.py; the model on the aligned layout: "
         "tests/models/test_ling3.py::test_packed_equals_per_document[chunked_aligned-dot_product]",
+    "tests/models/test_ling3.py::test_conf_model_yaml_builds[ling3_flagship]":
+        "the flagship's yaml built and its step traced: tests/train/test_flagship_export.py (TPU) and "
+        "tests/train/test_cuda_export.py (CUDA)",
+    "tests/models/test_ling3.py::test_packed_equals_per_document[chunked-flash]":
+        "flash per document: tests/kernels/test_attention.py; chunked + flash in the model: "
+        "test_no_leakage_between_documents[chunked-flash]; model packing: the other pairings",
+    "tests/kernels/test_kda_pallas.py::test_bf16_within_fla_tolerances[pallas_varlen]":
+        "bf16 in the Pallas KDA kernels: the pallas_segment case; pallas_varlen against the oracle: the fp32 case",
+    "tests/kernels/test_kda_pallas_sharded.py::test_train_step_with_pallas_segment_exports_for_tpu_with_fsdp_tensor":
+        "a train step with pallas_segment exported for TPU on a sharded mesh: "
+        "tests/train/test_flagship_export.py::test_flagship_step_exports_for_tpu_on_fsdp_tensor_expert",
+    "tests/runner/test_run_whole_documents.py::test_run_trains_on_whole_document_rows":
+        "whole-document rows: tests/data/test_data_packing.py (every token once, order, resume, the config "
+        "errors); run.py's data path end to end: the SIGTERM/resume smoke",
+    "tests/train/test_batch_sharding.py::test_rows_stay_split[context]":
+        "rows under context parallelism: tests/parallel (the CP train step against one device, the ring's HLO)",
+    "tests/parity/test_parity_routing.py::test_routing_locked_ten_step_parity":
+        "the harness end to end in the default suite: tests/parity/test_parity_float64.py (4 float64 steps, "
+        "lm / MTP / z-loss / expert biases / validation <= 3e-15, and two injected differences it catches)",
+    "tests/parity/test_parity_routing.py::test_trace_reports_an_injected_flip_and_none_without_one":
+        "the trace's comparison: test_compare_reports_the_first_differing_step_and_layer (same file)",
+    "tests/models/test_ling3.py::test_bfloat16_compute_tracks_fp32":
+        "bf16 in the kernels: tests/kernels/test_kda_pallas.py::test_bf16_within_fla_tolerances; the bf16 model "
+        "over 50 steps against the fp32 reference: experiments/loss_parity",
+    "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-True]":
+        "pallas_segment with the lower-bound gate lowered for TPU at the flagship's shapes: "
+        "tests/train/test_flagship_export.py::test_flagship_step_exports_for_tpu_on_fsdp_tensor_expert",
+    "tests/models/test_ling3.py::test_conf_model_yaml_builds[ling3_tiny]":
+        "ling3_tiny's yaml built and trained: the run.py SIGTERM/resume smoke (the default config); the yaml "
+        "schema: test_conf_model_yaml_builds[ling3_small]",
     "tests/models/test_parity_kimi.py::test_lingpack_to_hf_logits":
         "test_hf_to_lingpack_logits (logits, and every tensor and key back to transformers' names exactly) and "
         "test_scanned_model_converts_both_ways",
@@ -62,8 +91,6 @@ HEAVY_DUPLICATES = {
 # deals whole files (`--dist loadfile`) to whichever worker is free, so a long file started last would leave
 # the other worker idle while it runs.
 HEAVY_FILES_FIRST = [
-    "tests/distributed/test_distributed_multiprocess.py",   # 67 s: 3 run.py processes
-    "tests/parity/test_parity_routing.py",                  # 45 s: lingpack + torch reference, 10 steps
     "tests/models/test_ling3.py",                           # 43 s
     "tests/kernels/test_kda_pallas.py",                     # 41 s: Pallas in interpret mode
     "tests/runner/test_runner_smoke.py",                    # 36 s: run.py SIGTERM + resume

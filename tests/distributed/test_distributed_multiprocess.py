@@ -97,6 +97,7 @@ def run_both(tmp_path: Path, overrides: list[str], steps: int) -> tuple[Path, Pa
     return two, one, records
 
 
+@pytest.mark.slow  # three run.py processes (~70 s of CPU); the default suite checks the runtime's config paths
 def test_two_processes_train_like_one(tmp_path):
     small = ["model.num_layers=2", "train.eval_test=false"]  # a dense and an MoE layer; the slow test evaluates
     two, one, _ = run_both(tmp_path, small, steps=2)

@@ -7,22 +7,17 @@ first test checks so that it can fail. Interpret mode on the mesh gives the sing
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lingpack import backend, hlo
 from lingpack.kernels.attention import splash
 from lingpack.kernels.attention.api import attention
-from tests.kernels.kda_cases import segments_from_lengths
+from tests.kernels.sharded_attention_cases import check_sharded_equals_single_device, data_tensor_mesh
 
 FWD = {"splash_mha_fwd_segmented_no_residuals": 1}
 GRAD = {"splash_mha_fwd_segmented_residuals": 1, "splash_mha_dq_segmented_no_residuals": 1,
         "splash_mha_dkv_segmented_no_residuals": 1}
-
-
-def data_tensor_mesh(data=4, tensor=2):
-    return Mesh(np.asarray(jax.devices()[:data * tensor]).reshape(data, tensor), ("data", "tensor"))
 
 
 def export_for_tpu(f, *args) -> tuple[str, dict]:
@@ -71,26 +66,4 @@ def test_the_mosaic_count_sees_interpret_mode():
 
 
 def test_interpret_numerics_on_sharded_mesh_equal_single_device():
-    """Packed rows with padding and a document crossing the 128 block: outputs and dq, dk, dv equal one device's."""
-    B, T, H, K, V = 4, 256, 2, 16, 8
-    rng = np.random.default_rng(0)
-    q, k = (rng.standard_normal((B, T, H, K)).astype(np.float32) for _ in range(2))
-    v = rng.standard_normal((B, T, H, V)).astype(np.float32)
-    w_o = rng.standard_normal((B, T, H, V)).astype(np.float32)
-    seg = segments_from_lengths([[100, 60, 1, 80], [T], [3, 200], []], T)
-
-    def loss(q, k, v, seg):
-        o = attention(q, k, v, segment_ids_BT=seg, impl="splash", interpret=True)
-        return jnp.sum(o * w_o), o
-
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (_, o_ref), grads_ref = grad(q, k, v, seg)
-    mesh = data_tensor_mesh()
-    tile = NamedSharding(mesh, P("data", None, "tensor"))
-    placed = [jax.device_put(x, tile) for x in (q, k, v)] + [jax.device_put(seg, NamedSharding(mesh, P("data")))]
-    (_, o), grads = grad(*placed)
-    assert tuple(o.sharding.spec)[:3] == ("data", None, "tensor")
-    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=1e-6, rtol=1e-5)
-    for name, got, want in zip(["dq", "dk", "dv"], grads, grads_ref):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5, err_msg=name)
-        assert np.abs(np.asarray(want)).max() > 0, name
+    check_sharded_equals_single_device("splash")

@@ -16,7 +16,7 @@ CFG = MoEConfig(num_experts=8, top_k=3, expert_dim=16, num_shared_experts=1, n_g
                 routed_scaling_factor=2.5, norm_topk_prob=False)
 
 
-def _model(cfg=CFG, D=24, seed=0):
+def make_moe(cfg=CFG, D=24, seed=0):
     moe = MoE(cfg, D, rngs=nnx.Rngs(seed))
     key = jax.random.key(seed + 1)
     for name in ("router", "wi_gate", "wi_up", "wo"):  # O(1) activations so every term matters
@@ -27,12 +27,25 @@ def _model(cfg=CFG, D=24, seed=0):
     return moe
 
 
+def load_into_kimi(hf, moe) -> None:
+    """Copy `moe`'s weights into transformers' KimiLinearMoE `hf` (its [out, in] layouts)."""
+    with torch.no_grad():
+        hf.gate.weight.copy_(torch.tensor(np.asarray(moe.router[...]).T))
+        hf.gate.e_score_correction_bias.copy_(torch.tensor(np.asarray(moe.expert_bias[...])))
+        gate_up = np.concatenate([np.asarray(moe.wi_gate[...]), np.asarray(moe.wi_up[...])], axis=2)
+        hf.experts.gate_up_proj.copy_(torch.tensor(gate_up.transpose(0, 2, 1)))
+        hf.experts.down_proj.copy_(torch.tensor(np.asarray(moe.wo[...]).transpose(0, 2, 1)))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(hf.shared_experts, name).weight.copy_(
+                torch.tensor(np.asarray(getattr(moe.shared_experts, name).kernel[...]).T))
+
+
 call = nnx.jit(lambda moe, *args: moe(*args))  # one compile per case, not one per eager op
 
 
 @pytest.mark.parametrize("grouped_matmul", ["tiled", "ragged_dot"])
 def test_dispatch_equals_dense_loop_over_experts(grouped_matmul):
-    moe = _model(dataclasses.replace(CFG, grouped_matmul=grouped_matmul))
+    moe = make_moe(dataclasses.replace(CFG, grouped_matmul=grouped_matmul))
     x = jax.random.normal(jax.random.key(5), (2, 13, 24))
     y, aux = call(moe, x)
     x_ND = x.reshape(-1, 24)
@@ -56,17 +69,9 @@ def test_router_and_output_match_transformers():
     for norm in (False, True):
         cfg = dataclasses.replace(CFG, norm_topk_prob=norm)
         hf_cfg.norm_topk_prob = norm
-        moe = _model(cfg)
+        moe = make_moe(cfg)
         hf = KimiLinearMoE(hf_cfg).eval()
-        with torch.no_grad():
-            hf.gate.weight.copy_(torch.tensor(np.asarray(moe.router[...]).T))
-            hf.gate.e_score_correction_bias.copy_(torch.tensor(np.asarray(moe.expert_bias[...])))
-            gate_up = np.concatenate([np.asarray(moe.wi_gate[...]), np.asarray(moe.wi_up[...])], axis=2)
-            hf.experts.gate_up_proj.copy_(torch.tensor(gate_up.transpose(0, 2, 1)))
-            hf.experts.down_proj.copy_(torch.tensor(np.asarray(moe.wo[...]).transpose(0, 2, 1)))
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(hf.shared_experts, name).weight.copy_(
-                    torch.tensor(np.asarray(getattr(moe.shared_experts, name).kernel[...]).T))
+        load_into_kimi(hf, moe)
         x = np.random.default_rng(1).standard_normal((2, 11, 24)).astype(np.float32)
         with torch.no_grad():
             _, ref_w, ref_idx = hf.gate(torch.tensor(x))
@@ -100,15 +105,8 @@ def test_routing_is_fp32_for_bf16_and_follows_float64():
         moe = MoE(CFG, 24, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
         assert {v.dtype for v in jax.tree.leaves(nnx.state(moe))} == {jnp.dtype(jnp.float64)}
         moe.expert_bias[...] = 0.01 * jax.random.normal(jax.random.key(2), (CFG.num_experts,), jnp.float64)
+        load_into_kimi(hf, moe)
         with torch.no_grad():
-            hf.gate.weight.copy_(torch.tensor(np.asarray(moe.router[...]).T))
-            hf.gate.e_score_correction_bias.copy_(torch.tensor(np.asarray(moe.expert_bias[...])))
-            gate_up = np.concatenate([np.asarray(moe.wi_gate[...]), np.asarray(moe.wi_up[...])], axis=2)
-            hf.experts.gate_up_proj.copy_(torch.tensor(gate_up.transpose(0, 2, 1)))
-            hf.experts.down_proj.copy_(torch.tensor(np.asarray(moe.wo[...]).transpose(0, 2, 1)))
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(hf.shared_experts, name).weight.copy_(
-                    torch.tensor(np.asarray(getattr(moe.shared_experts, name).kernel[...]).T))
             ref = hf(torch.tensor(x)).numpy()
         y, aux = call(moe, jnp.asarray(x))
         assert y.dtype == aux["router_logits"].dtype == jnp.float64
@@ -123,7 +121,7 @@ def test_group_limit_keeps_chosen_experts_in_top_groups():
 
 
 def test_stats_ignore_padding_and_bias_gets_no_gradient():
-    moe = _model()
+    moe = make_moe()
     x = jax.random.normal(jax.random.key(2), (2, 8, 24))
     seg = jnp.array([[1] * 5 + [0] * 3, [1] * 8])
     _, aux = call(moe, x, seg)
@@ -137,7 +135,7 @@ def test_stats_ignore_padding_and_bias_gets_no_gradient():
 
 def test_bias_update_moves_load_toward_balance():
     cfg = dataclasses.replace(CFG, n_groups=1, topk_groups=1, top_k=2)
-    moe = _model(cfg)
+    moe = make_moe(cfg)
     moe.expert_bias[...] = jnp.zeros(cfg.num_experts)
     x = jax.random.normal(jax.random.key(9), (4, 64, 24)) + 1.0  # a shifted input: a skewed router load
     imbalance = []

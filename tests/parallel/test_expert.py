@@ -21,11 +21,12 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from lingpack import backend, hlo
 from lingpack.errors import ConfigError
-from lingpack.models.moe import MoE, MoEConfig
+from lingpack.models.moe import MoEConfig
 from lingpack.parallel import expert
 from lingpack.parallel.layout import Layout, activation_layout
 from lingpack.train.configs import ParallelConfig
 from lingpack.train.sharding import make_mesh
+from tests.models.test_moe import make_moe
 
 CFG = MoEConfig(num_experts=8, top_k=2, expert_dim=8, n_groups=2, topk_groups=1, z_loss_coef=1e-3)
 B, T, D = 8, 16, 16
@@ -62,17 +63,6 @@ def test_dense_exchange_equals_ragged_all_to_all_semantics():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def _moe(cfg):
-    moe = MoE(cfg, D, rngs=nnx.Rngs(0))
-    key = jax.random.key(1)
-    for name in ("router", "wi_gate", "wi_up", "wo"):   # O(1) activations so every term matters
-        key, sub = jax.random.split(key)
-        var = getattr(moe, name)
-        var[...] = jax.random.normal(sub, var.shape) / np.sqrt(var.shape[-2])
-    moe.expert_bias[...] = 0.1 * jax.random.normal(key, (cfg.num_experts,))
-    return moe
-
-
 def _inputs(padding: int):
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
@@ -87,7 +77,7 @@ def _inputs(padding: int):
 def _layer_grads(cfg, parallel: ParallelConfig | None, padding=3, skew=None, run=True):
     """(gradients of params and x, (y, load counts, z-loss, tokens), the jitted function, its arguments);
     `run=False`: the function and its arguments only."""
-    moe = _moe(cfg)
+    moe = make_moe(cfg, D)
     if skew is not None:   # one expert's bias so large that every token picks it
         moe.expert_bias[...] = moe.expert_bias[...].at[skew].set(10.0)
     graphdef, params = nnx.split(moe)

@@ -81,6 +81,9 @@ HEAVY_DUPLICATES = {
     "tests/models/test_ling3.py::test_conf_model_yaml_builds[ling3_tiny]":
         "ling3_tiny's yaml built and trained: the run.py SIGTERM/resume smoke (the default config); the yaml "
         "schema: test_conf_model_yaml_builds[ling3_small]",
+    "tests/train/test_evaluate.py::test_resumed_run_evaluates_the_same_batches_at_the_same_steps":
+        "evaluation across a resume: the run.py SIGTERM/resume smoke (evaluations at the same steps over both "
+        "tries); which valid batches: test_valid_and_test_batches_are_megatron_samples",
     "tests/models/test_parity_kimi.py::test_lingpack_to_hf_logits":
         "test_hf_to_lingpack_logits (logits, and every tensor and key back to transformers' names exactly) and "
         "test_scanned_model_converts_both_ways",

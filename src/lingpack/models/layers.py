@@ -8,6 +8,7 @@ when it is wider (float64: `precision.at_least_fp32`).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,24 @@ def _conv_init(kernel_size: int):
     return init
 
 
+def _from_back(x_BTC: jax.Array, segment_ids_BT: jax.Array | None, lag: int) -> jax.Array:
+    """x[t - lag] where token t - lag exists and shares t's segment, else 0."""
+    x_src = jnp.pad(x_BTC, [(0, 0), (lag, 0), (0, 0)])[:, :x_BTC.shape[1]]
+    if segment_ids_BT is None or not lag:
+        return x_src
+    seg_src = jnp.pad(segment_ids_BT, [(0, 0), (lag, 0)], constant_values=-1)[:, :x_BTC.shape[1]]
+    return jnp.where((seg_src == segment_ids_BT)[..., None], x_src, 0)
+
+
+def _from_ahead(d_BTC: jax.Array, segment_ids_BT: jax.Array | None, lag: int) -> jax.Array:
+    """d[t + lag] where token t + lag exists and shares t's segment, else 0: the transpose of `_from_back`."""
+    d_dst = jnp.pad(d_BTC, [(0, 0), (0, lag), (0, 0)])[:, lag:]
+    if segment_ids_BT is None or not lag:
+        return d_dst
+    seg_dst = jnp.pad(segment_ids_BT, [(0, 0), (0, lag)], constant_values=-1)[:, lag:]
+    return jnp.where((seg_dst == segment_ids_BT)[..., None], d_dst, 0)
+
+
 def segment_causal_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
     """Depthwise causal conv: y[t] = sum_j kernel[j] * x[t - (K-1) + j], only over taps in t's segment.
 
@@ -133,16 +152,46 @@ def segment_causal_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: 
     packed document starts with zero conv history.
     """
     K = kernel_KC.shape[0]
-    T = x_BTC.shape[1]
     wide = at_least_fp32(x_BTC.dtype, kernel_KC.dtype)  # accumulate the K taps in fp32 (or wider)
     y = jnp.zeros(x_BTC.shape, wide)
     for lag in range(K):
-        x_src = jnp.pad(x_BTC, [(0, 0), (lag, 0), (0, 0)])[:, :T]
-        if segment_ids_BT is not None and lag:
-            seg_src = jnp.pad(segment_ids_BT, [(0, 0), (lag, 0)], constant_values=-1)[:, :T]
-            x_src = jnp.where((seg_src == segment_ids_BT)[..., None], x_src, 0)
-        y = y + x_src.astype(wide) * kernel_KC[K - 1 - lag].astype(wide)
+        y = y + _from_back(x_BTC, segment_ids_BT, lag).astype(wide) * kernel_KC[K - 1 - lag].astype(wide)
     return y.astype(x_BTC.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def short_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: jax.Array | None,
+               activation: str | None) -> jax.Array:
+    """`segment_causal_conv`, then SiLU if `activation == "silu"`. Its VJP keeps only the inputs and recomputes
+    the taps: autodiff would keep K-1 shifted, masked copies of x and the SiLU's operands."""
+    y = segment_causal_conv(x_BTC, kernel_KC, segment_ids_BT)
+    return jax.nn.silu(y) if activation == "silu" else y
+
+
+def _short_conv_fwd(x_BTC, kernel_KC, segment_ids_BT, activation):
+    return short_conv(x_BTC, kernel_KC, segment_ids_BT, activation), (x_BTC, kernel_KC, segment_ids_BT)
+
+
+def _short_conv_bwd(activation, residuals, d_out_BTC):
+    x_BTC, kernel_KC, segment_ids_BT = residuals
+    # tied to the cotangent: XLA cannot schedule the recomputation below into the forward, where it would be live
+    x_BTC, kernel_KC, d_out_BTC = jax.lax.optimization_barrier((x_BTC, kernel_KC, d_out_BTC))
+    K = kernel_KC.shape[0]
+    wide = at_least_fp32(x_BTC.dtype, kernel_KC.dtype)   # the backward in fp32 (or wider), as the forward's taps
+    dy = d_out_BTC.astype(wide)
+    if activation == "silu":   # silu'(y) = s (1 + y (1 - s)), s = sigmoid(y), at the forward's rounded y
+        y = segment_causal_conv(x_BTC, kernel_KC, segment_ids_BT).astype(wide)
+        s = jax.nn.sigmoid(y)
+        dy = dy * s * (1 + y * (1 - s))
+    # tap `lag` sends x[t - lag] to y[t], so both gradients read dy[t + lag] at t:
+    # sum_t dy[t] x[t - lag] = sum_s dy[s + lag] x[s]
+    ahead = [_from_ahead(dy, segment_ids_BT, lag) for lag in range(K)]
+    dx = sum(a * kernel_KC[K - 1 - lag].astype(wide) for lag, a in enumerate(ahead))
+    d_kernel = jnp.stack([jnp.sum(ahead[K - 1 - j] * x_BTC.astype(wide), axis=(0, 1)) for j in range(K)])
+    return dx.astype(x_BTC.dtype), d_kernel.astype(kernel_KC.dtype), None
+
+
+short_conv.defvjp(_short_conv_fwd, _short_conv_bwd)
 
 
 class ShortConvolution(nnx.Module):
@@ -161,10 +210,9 @@ class ShortConvolution(nnx.Module):
         x, kernel = x_BTC.astype(self.dtype), self.kernel[...].astype(self.dtype)
         cp = current()
         if cp is None:
-            y = segment_causal_conv(x, kernel, segment_ids_BT)
-        else:  # sequence split over `context`: the previous block's last K-1 tokens arrive as a halo
-            if segment_ids_BT is None:
-                segment_ids_BT = jnp.ones(x.shape[:2], jnp.int32)
-            y = context_neighbours(lambda a, s, w: segment_causal_conv(a, w, s), x, segment_ids_BT, kernel, cp=cp,
-                                   side="previous", width=kernel.shape[0] - 1)
-        return jax.nn.silu(y) if self.activation == "silu" else y
+            return short_conv(x, kernel, segment_ids_BT, self.activation)
+        # sequence split over `context`: the previous block's last K-1 tokens arrive as a halo
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones(x.shape[:2], jnp.int32)
+        return context_neighbours(lambda a, s, w: short_conv(a, w, s, self.activation), x, segment_ids_BT, kernel,
+                                  cp=cp, side="previous", width=kernel.shape[0] - 1)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from lingpack.models.layers import segment_causal_conv
+from lingpack.models.layers import segment_causal_conv, short_conv
 from lingpack.models.mtp import mtp_targets, roll_and_mask_by_segment
 from lingpack.parallel import halo, reorder
 from lingpack.parallel.context import ContextParallel
@@ -38,29 +38,38 @@ def restore(x, load_balance):
     return reorder.restore_order(np.asarray(x), N) if load_balance else np.asarray(x)
 
 
-def sharded(mesh, fn, *, side, width, load_balance, params=()):
+def sharded(mesh, fn, *, side, width, load_balance, params=(), apart=False):
     """fn(x, seg, *params) run per context block with neighbours, on global arrays (rows over `data`)."""
     cp = ContextParallel(mesh, load_balance=load_balance, batch_axes=("data",))
-    return lambda x, seg, *params: halo.context_neighbours(fn, x, seg, *params, cp=cp, side=side, width=width)
+    return lambda x, seg, *params: halo.context_neighbours(fn, x, seg, *params, cp=cp, side=side, width=width,
+                                                           apart=apart)
 
 
 def conv(x, seg, kernel):
     return segment_causal_conv(x, kernel, seg)
 
 
+def conv_silu_apart(x, seg, prev_x, prev_seg, kernel):
+    """The model's form: the short conv's own VJP, the previous tokens passed apart (their gradient goes home)."""
+    return short_conv(x, kernel, seg, "silu", prev_x, prev_seg)
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["joined", "apart"])
 @pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "zigzag"])
 @pytest.mark.parametrize("rows", sorted(ROWS))
-def test_short_conv_halo_matches_one_device(mesh, rows, load_balance):
+def test_short_conv_halo_matches_one_device(mesh, rows, load_balance, apart):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((B, T, C)).astype(np.float32)
     kernel = rng.standard_normal((WIDTH, C)).astype(np.float32)
     w = rng.standard_normal((B, T, C)).astype(np.float32)
     seg = segments_from_lengths(ROWS[rows], T)
-    cp = sharded(mesh, conv, side="previous", width=WIDTH - 1, load_balance=load_balance, params=(kernel,))
+    local, one = (conv_silu_apart, lambda x, seg, k: jax.nn.silu(conv(x, seg, k))) if apart else (conv, conv)
+    cp = sharded(mesh, local, side="previous", width=WIDTH - 1, load_balance=load_balance, params=(kernel,),
+                 apart=apart)
     y = restore(jax.jit(cp)(layout(x, load_balance), layout(seg, load_balance), kernel), load_balance)
-    np.testing.assert_allclose(y, conv(x, seg, kernel), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y, one(x, seg, kernel), rtol=1e-6, atol=1e-6)
 
-    ref = jax.grad(lambda x, k: jnp.sum(conv(x, seg, k) * w), argnums=(0, 1))(x, kernel)
+    ref = jax.grad(lambda x, k: jnp.sum(one(x, seg, k) * w), argnums=(0, 1))(x, kernel)
     got = jax.jit(jax.grad(lambda x, k: jnp.sum(cp(x, layout(seg, load_balance), k) * layout(w, load_balance)),
                            argnums=(0, 1)))(layout(x, load_balance), kernel)
     np.testing.assert_allclose(restore(got[0], load_balance), ref[0], rtol=1e-6, atol=1e-6)

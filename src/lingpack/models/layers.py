@@ -160,35 +160,48 @@ def segment_causal_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: 
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
-def short_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: jax.Array | None,
-               activation: str | None) -> jax.Array:
-    """`segment_causal_conv`, then SiLU if `activation == "silu"`. Its VJP keeps only the inputs and recomputes
-    the taps: autodiff would keep K-1 shifted, masked copies of x and the SiLU's operands."""
-    y = segment_causal_conv(x_BTC, kernel_KC, segment_ids_BT)
+def short_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: jax.Array | None, activation: str | None,
+               prev_x_BWC: jax.Array | None = None, prev_ids_BW: jax.Array | None = None) -> jax.Array:
+    """`segment_causal_conv`, then SiLU if `activation == "silu"`, of x extended by `prev_x` (the W = K-1 tokens
+    before the block and their ids, under context parallelism; None: the row starts here). Returns the block's
+    own T tokens. Its VJP keeps only the inputs and recomputes the taps: autodiff would keep K-1 shifted, masked
+    copies of x and the SiLU's operands, or the extended block."""
+    x_ext, ids_ext = _extend(x_BTC, segment_ids_BT, prev_x_BWC, prev_ids_BW)
+    y = segment_causal_conv(x_ext, kernel_KC, ids_ext)[:, x_ext.shape[1] - x_BTC.shape[1]:]
     return jax.nn.silu(y) if activation == "silu" else y
 
 
-def _short_conv_fwd(x_BTC, kernel_KC, segment_ids_BT, activation):
-    return short_conv(x_BTC, kernel_KC, segment_ids_BT, activation), (x_BTC, kernel_KC, segment_ids_BT)
+def _extend(x_BTC, segment_ids_BT, prev_x_BWC, prev_ids_BW):
+    if prev_x_BWC is None:
+        return x_BTC, segment_ids_BT
+    return jnp.concatenate([prev_x_BWC, x_BTC], 1), jnp.concatenate([prev_ids_BW, segment_ids_BT], 1)
+
+
+def _short_conv_fwd(x_BTC, kernel_KC, segment_ids_BT, activation, prev_x_BWC, prev_ids_BW):
+    out = short_conv(x_BTC, kernel_KC, segment_ids_BT, activation, prev_x_BWC, prev_ids_BW)
+    return out, (x_BTC, kernel_KC, segment_ids_BT, prev_x_BWC, prev_ids_BW)
 
 
 def _short_conv_bwd(activation, residuals, d_out_BTC):
-    x_BTC, kernel_KC, segment_ids_BT = residuals
+    x_BTC, kernel_KC, segment_ids_BT, prev_x_BWC, prev_ids_BW = residuals
     # tied to the cotangent: XLA cannot schedule the recomputation below into the forward, where it would be live
-    x_BTC, kernel_KC, d_out_BTC = jax.lax.optimization_barrier((x_BTC, kernel_KC, d_out_BTC))
+    x_BTC, prev_x_BWC, kernel_KC, d_out_BTC = jax.lax.optimization_barrier((x_BTC, prev_x_BWC, kernel_KC, d_out_BTC))
+    x_ext, ids_ext = _extend(x_BTC, segment_ids_BT, prev_x_BWC, prev_ids_BW)
+    W = x_ext.shape[1] - x_BTC.shape[1]
     K = kernel_KC.shape[0]
     wide = at_least_fp32(x_BTC.dtype, kernel_KC.dtype)   # the backward in fp32 (or wider), as the forward's taps
-    dy = d_out_BTC.astype(wide)
+    dy = jnp.pad(d_out_BTC.astype(wide), [(0, 0), (W, 0), (0, 0)])   # the W earlier tokens have no outputs here
     if activation == "silu":   # silu'(y) = s (1 + y (1 - s)), s = sigmoid(y), at the forward's rounded y
-        y = segment_causal_conv(x_BTC, kernel_KC, segment_ids_BT).astype(wide)
+        y = segment_causal_conv(x_ext, kernel_KC, ids_ext).astype(wide)
         s = jax.nn.sigmoid(y)
         dy = dy * s * (1 + y * (1 - s))
     # tap `lag` sends x[t - lag] to y[t], so both gradients read dy[t + lag] at t:
     # sum_t dy[t] x[t - lag] = sum_s dy[s + lag] x[s]
-    ahead = [_from_ahead(dy, segment_ids_BT, lag) for lag in range(K)]
+    ahead = [_from_ahead(dy, ids_ext, lag) for lag in range(K)]
     dx = sum(a * kernel_KC[K - 1 - lag].astype(wide) for lag, a in enumerate(ahead))
-    d_kernel = jnp.stack([jnp.sum(ahead[K - 1 - j] * x_BTC.astype(wide), axis=(0, 1)) for j in range(K)])
-    return dx.astype(x_BTC.dtype), d_kernel.astype(kernel_KC.dtype), None
+    d_kernel = jnp.stack([jnp.sum(ahead[K - 1 - j] * x_ext.astype(wide), axis=(0, 1)) for j in range(K)])
+    d_prev = None if prev_x_BWC is None else dx[:, :W].astype(prev_x_BWC.dtype)
+    return dx[:, W:].astype(x_BTC.dtype), d_kernel.astype(kernel_KC.dtype), None, d_prev, None
 
 
 short_conv.defvjp(_short_conv_fwd, _short_conv_bwd)
@@ -214,5 +227,6 @@ class ShortConvolution(nnx.Module):
         # sequence split over `context`: the previous block's last K-1 tokens arrive as a halo
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones(x.shape[:2], jnp.int32)
-        return context_neighbours(lambda a, s, w: short_conv(a, w, s, self.activation), x, segment_ids_BT, kernel,
-                                  cp=cp, side="previous", width=kernel.shape[0] - 1)
+        return context_neighbours(lambda a, s, prev_a, prev_s, w: short_conv(a, w, s, self.activation, prev_a, prev_s),
+                                  x, segment_ids_BT, kernel, cp=cp, side="previous", width=kernel.shape[0] - 1,
+                                  apart=True)

@@ -55,9 +55,11 @@ def neighbour_tokens(blocks, *, side: str, width: int, axis_name: str):
 
 
 def apply_with_neighbours(fn: Callable, x_BT_, segment_ids_BT, *, side: str, width: int, axis_name: str,
-                          load_balance: bool):
+                          load_balance: bool, apart: bool = False):
     """fn(x [rows, c + width, ...], segment_ids [rows, c + width]) -> [rows, c + width, ...], run on each local
     block extended by `width` neighbour tokens on `side` ("previous" or "next"), which are then dropped.
+    `apart`: fn(x [rows, c, ...], segment_ids, neighbour x [rows, width, ...], neighbour ids) -> [rows, c, ...]
+    gets them apart, so nothing holds a copy of the extended block (the short convolution's case).
 
     Call inside shard_map; x is this device's [B, Tl, ...] in the layout of reorder.py. Exact whenever fn
     looks at most `width` tokens toward `side` and masks by segment id.
@@ -71,7 +73,7 @@ def apply_with_neighbours(fn: Callable, x_BT_, segment_ids_BT, *, side: str, wid
         raise ValueError(f"each context-parallel block has {Tl / nb:g} tokens, fewer than the {width} neighbour "
                          "tokens needed (or an odd zigzag split): use longer rows or a smaller parallel.context")
     if width == 0:
-        return fn(x_BT_, segment_ids_BT)
+        return fn(x_BT_, segment_ids_BT, None, None) if apart else fn(x_BT_, segment_ids_BT)
     blocks = lambda a: jnp.moveaxis(a.reshape(B, nb, c, *a.shape[2:]), 1, 0)   # [nb, B, c, ...]
     xb, sb = blocks(x_BT_), blocks(segment_ids_BT.astype(jnp.int32))
     (nx, ns), valid = neighbour_tokens((xb, sb), side=side, width=width, axis_name=axis_name)
@@ -80,12 +82,15 @@ def apply_with_neighbours(fn: Callable, x_BT_, segment_ids_BT, *, side: str, wid
     join = (lambda own, extra: jnp.concatenate([extra, own], 2)) if side == "previous" else (
         lambda own, extra: jnp.concatenate([own, extra], 2))
     rows = lambda a: a.reshape(nb * B, *a.shape[2:])
-    y = fn(rows(join(xb, nx)), rows(join(sb, ns)))
-    y = y[:, width:] if side == "previous" else y[:, :c]
+    if apart:
+        y = fn(rows(xb), rows(sb), rows(nx), rows(ns))
+    else:
+        y = fn(rows(join(xb, nx)), rows(join(sb, ns)))
+        y = y[:, width:] if side == "previous" else y[:, :c]
     return jnp.moveaxis(y.reshape(nb, B, c, *y.shape[2:]), 0, 1).reshape(B, Tl, *y.shape[2:])
 
 
-def context_neighbours(fn: Callable, x_BT_, segment_ids_BT, *params, cp, side: str, width: int):
+def context_neighbours(fn: Callable, x_BT_, segment_ids_BT, *params, cp, side: str, width: int, apart: bool = False):
     """`apply_with_neighbours` on global [B, T, ...] arrays whose T axis is split over `cp.axis` of `cp.mesh`
     in `cp`'s layout (a parallel.context.ContextParallel: mesh, axis, load_balance, batch_axes);
     fn(x, segment_ids, *params) gets `params` replicated (their gradients are summed)."""
@@ -94,7 +99,8 @@ def context_neighbours(fn: Callable, x_BT_, segment_ids_BT, *params, cp, side: s
     x_spec = P(batch, axis, *([None] * (x_BT_.ndim - 2)))
 
     def local(x, seg, *params):
-        return apply_with_neighbours(lambda a, s: fn(a, s, *params), x, seg, side=side, width=width, axis_name=axis,
-                                     load_balance=cp.load_balance)
+        call = (lambda a, s, na, ns: fn(a, s, na, ns, *params)) if apart else (lambda a, s: fn(a, s, *params))
+        return apply_with_neighbours(call, x, seg, side=side, width=width, axis_name=axis,
+                                     load_balance=cp.load_balance, apart=apart)
     return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, P(batch, axis)) + (P(),) * len(params),
                          out_specs=x_spec, check_vma=False)(x_BT_, segment_ids_BT, *params)

@@ -1,6 +1,6 @@
 """What the ling3_tiny train step holds at its memory peak under context parallelism, by part of the model.
 
-    python -m experiments.context_parallel.attribution [--T 65536] [--cp 1 8]
+    python -m experiments.context_parallel.attribution [--T 65536] [--cp 1 8] [--scheduler default memory]
     python -m experiments.context_parallel.attribution --table-only
 
 One train step (the model_memory.py configuration: ling3_tiny, B=1, fp32, ring MLA, zigzag; `TrainProgram`)
@@ -9,6 +9,11 @@ of the buffer assignment (`lingpack.hlo.peak_buffers`) is attributed to the name
 (`embed`, `layer<i>/<mixer or ffn>`, `head`, `mtp<d>`; the optimizer update and the entry parameters
 outside them). The table gives each part's bytes at CP=1 and at each CP, and its share of the CP=1 bytes
 (the goal is 1/CP for whatever grows with T). Each compile runs in its own subprocess; nothing runs.
+
+Two XLA:CPU schedulers: `default` (concurrency-optimized) runs every operand-free instruction first, so the
+zero fills of the backward's scan outputs and scatter accumulators are held from the step's start (they
+show as "loop carries": copies of zero broadcasts that seed while loops); `memory`
+(`--xla_cpu_enable_concurrency_optimized_scheduler=false`) places each where it is used.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/context_parallel/results"
 MIB = 2 ** 20
+SCHEDULERS = {"default": "", "memory": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
 
 
 def part_of(buffer) -> str:
@@ -53,7 +59,7 @@ def part_of(buffer) -> str:
     return "loop carries, parameters (no producer named)" if not name else "other"
 
 
-def measure(T: int, cp: int) -> dict:
+def measure(T: int, cp: int, scheduler: str = "default") -> dict:
     import jax
 
     from experiments.context_parallel.model_memory import model_config
@@ -68,25 +74,27 @@ def measure(T: int, cp: int) -> dict:
         compiled, live = hlo.compile_with_buffer_dump(program.lower(), directory)
     buffers = hlo.peak_buffers(live, compiled.as_text())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    return dict(T=T, cp=cp, commit=commit.strip(), peak_bytes=sum(b.bytes for b in buffers),
+    return dict(T=T, cp=cp, scheduler=scheduler, commit=commit.strip(), peak_bytes=sum(b.bytes for b in buffers),
                 parts=hlo.group_bytes(buffers, part_of),
                 largest=[dict(bytes=b.bytes, shape=b.shape, part=part_of(b), op=b.op_name[-160:])
                          for b in buffers[:15]])
 
 
 def table(results: dict) -> str:
-    by_T = {}
+    by_run = {}
     for r in results.values():
-        by_T.setdefault(r["T"], {})[r["cp"]] = r
+        by_run.setdefault((r.get("scheduler", "default"), r["T"]), {})[r["cp"]] = r
     lines = []
-    for T, runs in sorted(by_T.items()):
+    for (scheduler, T), runs in sorted(by_run.items(), key=lambda kv: (kv[0][0] != "default", kv[0][1])):
         cps = sorted(runs)
         base = runs.get(1)
-        lines += [f"ling3_tiny train step at T={T // 1024}K: values live at the buffer-assignment peak (MiB per "
-                  "device), by the scope that produced them; in brackets: / the CP=1 bytes.", "",
+        lines += [f"ling3_tiny train step at T={T // 1024}K, XLA:CPU's {scheduler} scheduler: values live at the "
+                  "buffer-assignment peak (MiB per device), by the scope that produced them; in brackets: / the CP=1 "
+                  "bytes.", "",
                   "| part | " + " | ".join(f"CP={c}" for c in cps) + " |", "|---|" + "---|" * len(cps)]
         parts = sorted({p for r in runs.values() for p in r["parts"]},
                        key=lambda p: (-max(r["parts"].get(p, 0) for r in runs.values()), p))
+        parts = [p for p in parts if max(r["parts"].get(p, 0) for r in runs.values()) >= MIB / 20]  # >= 0.05 MiB
         for part in parts + ["total"]:
             cells = []
             for c in cps:
@@ -104,25 +112,31 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--T", type=int, nargs="+", default=[65536])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)   # worker: T cp -> JSON on stdout
+    parser.add_argument("--scheduler", nargs="+", choices=sorted(SCHEDULERS), default=["default"])
+    parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)   # worker: T cp scheduler -> JSON on stdout
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(*args.one)))
+        print(json.dumps(measure(int(args.one[0]), int(args.one[1]), args.one[2])))
         return
     path = OUT / "attribution.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     if not args.table_only:
-        for T in args.T:
-            for cp in args.cp:
-                run = subprocess.run([sys.executable, "-m", "experiments.context_parallel.attribution", "--one",
-                                      str(T), str(cp)], cwd=ROOT, capture_output=True, text=True)
-                if run.returncode:
-                    print(run.stderr[-3000:], file=sys.stderr)
-                    continue
-                results[f"{T}/{cp}"] = json.loads(run.stdout.strip().splitlines()[-1])
-                path.write_text(json.dumps(results, indent=2) + "\n")
-                print(T, cp, results[f"{T}/{cp}"]["parts"], flush=True)
+        for scheduler in args.scheduler:
+            # XLA reads its flags once per process: each compile gets its own, the scheduler's flag included
+            env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + SCHEDULERS[scheduler]).strip())
+            for T in args.T:
+                for cp in args.cp:
+                    command = [sys.executable, "-m", "experiments.context_parallel.attribution", "--one", str(T),
+                               str(cp), scheduler]
+                    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+                    if run.returncode:
+                        print(run.stderr[-3000:], file=sys.stderr)
+                        continue
+                    key = f"{T}/{cp}" + ("" if scheduler == "default" else f"/{scheduler}")
+                    results[key] = json.loads(run.stdout.strip().splitlines()[-1])
+                    path.write_text(json.dumps(results, indent=2) + "\n")
+                    print(scheduler, T, cp, round(results[key]["peak_bytes"] / MIB, 1), flush=True)
     (OUT / "attribution.md").write_text(table(results))
     print(table(results))
 

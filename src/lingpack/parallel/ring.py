@@ -10,6 +10,11 @@ by index / segment ranges are skipped (`blockwise.tile_visible`) and counted.
 Backward (custom VJP, from the saved fp32 lse): a second ring in which each key block travels with its
 fp32 dK / dV accumulators; every device adds its contribution, and after R hops they are home.
 
+Memory per device: the local q, k, v, o and lse, the key block being computed and the one in flight; in
+the backward also dq, the arriving dK / dV and this step's own (a fresh buffer, so the compute never waits
+for the arriving one). The local step runs outside the scans: no scan carry starts as a copy of the local
+K/V or as zero-filled dK / dV. docs/parallelism.md#ring-attention-memory has the measured breakdown.
+
 USP reuses this with `stride` U: ring partners are the devices U apart on the `context` axis (the ones
 holding the same head group after the Ulysses all-to-all, see ulysses.py).
 """
@@ -81,8 +86,8 @@ def _ring_bwd(ring, res, cotangents):
     q, k, v, q_seg, kv_seg, q_index, kv_index, o, lse = res
     do = cotangents[0].astype(o.dtype)   # o's dtype: fp32 (float64 for float64 inputs)
     delta = jnp.sum(do * o, axis=-1)  # D_i = sum_v dO_iv O_iv, the softmax-Jacobian row term
-    grads = lambda kv, dq: backward_tiles(q, kv[0], kv[1], do, lse, delta, q_seg, kv[2], q_index, kv[3], ring.tiling,
-                                          dq_BHQK=dq)   # dq stays here: it accumulates in place
+    grads = lambda kv, dq, fill=0.0: backward_tiles(q, kv[0], kv[1], do, lse, delta, q_seg, kv[2], q_index, kv[3],
+                                                    ring.tiling, dq_BHQK=dq, fill=fill)  # dq accumulates in place
     kv = (k, v, kv_seg, kv_index)
     cast = lambda dq, dk, dv: (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
     if ring.size == 1:
@@ -98,7 +103,9 @@ def _ring_bwd(ring, res, cotangents):
     # The local step runs outside the scan: it starts dq and the travelling dK/dV without zero-filled carries.
     (dq, kv, dkv), _ = step((None, kv, None), None)
     (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), None, length=ring.size - 2)
-    dq, dk_t, dv_t = grads(kv, dq)
+    # -0.0: a fill XLA cannot merge with the local step's 0.0 one. Merged, the one buffer would be copied
+    # before the local step writes into it, and that copy held through the whole backward ring.
+    dq, dk_t, dv_t = grads(kv, dq, fill=-0.0)
     dk, dv = _send(ring, (dkv[0] + dk_t, dkv[1] + dv_t))  # the R-th hop brings them home
     return cast(dq, dk, dv)
 

@@ -151,10 +151,11 @@ def forward_tiles(state: Softmax, q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index
 
 
 def backward_tiles(q_BHQK, k_BHSK, v_BHSV, do_BHQV, lse_BHQ, delta_BHQ, q_seg, kv_seg, q_index, kv_index,
-                   tiling: Tiling, dq_BHQK=None):
+                   tiling: Tiling, dq_BHQK=None, fill: float = 0.0):
     """(dq [B,H,Q,K], dk [B,H,S,K], dv [B,H,S,V]) fp32 (or wider) summed over every visible tile.
 
-    `dq_BHQK`: a dq accumulator to add into (in place; the ring's running dq), else zeros.
+    `dq_BHQK`: a dq accumulator to add into (in place; the ring's running dq), else zeros. `fill`: the
+    starting value of the dk / dv accumulators, 0.0 or -0.0 (both add exactly: x + -0.0 == x for every x).
     """
     Q, S = q_BHQK.shape[2], k_BHSK.shape[2]
     check_tiling(Q, S, tiling)
@@ -181,7 +182,7 @@ def backward_tiles(q_BHQK, k_BHSK, v_BHSV, do_BHQV, lse_BHQ, delta_BHQ, q_seg, k
         return _put(dq_all, dq, i, bq, 2), dk_all, dv_all
 
     dq0 = jnp.zeros(q_BHQK.shape, wide) if dq_BHQK is None else dq_BHQK
-    init = (dq0, jnp.zeros(k_BHSK.shape, wide), jnp.zeros(v_BHSV.shape, wide))
+    init = (dq0, jnp.full(k_BHSK.shape, fill, wide), jnp.full(v_BHSV.shape, fill, wide))
     return jax.lax.fori_loop(0, Q // bq, one_q_block, init)
 
 

@@ -224,6 +224,7 @@ def table(memory: list[dict], balance: dict, code: str = "-") -> str:
              "| T | dot_product | flash | blockwise | all_gather | ring | ulysses | blockwise/ring | flash/ring |",
              "|---|---|---|---|---|---|---|---|---|"]
     mib = lambda b: f"{b / 2**20:.0f}"
+    mib1 = lambda b: f"{b / 2**20:.1f}"
     for r in memory:
         lines.append(f"| {r['T'] // 1024}K | {mib(r['dot_product'])} | {mib(r['flash'])} | {mib(r['blockwise'])} | "
                      f"{mib(r['all_gather'])} | {mib(r['ring'])} | {mib(r['ulysses'])} | "
@@ -241,8 +242,8 @@ def table(memory: list[dict], balance: dict, code: str = "-") -> str:
         for name, bw, ring in (("default", r["blockwise"], r["ring"]),
                                ("memory", r["blockwise_memory_scheduler"], r["ring_memory_scheduler"])):
             rest = ring - r["ring_travelling"]
-            lines.append(f"| {r['T'] // 1024}K | {name} | {mib(bw / N)} | {mib(ring)} | {bw / ring:.1f}x | "
-                         f"{mib(r['ring_travelling'])} | {mib(rest)} | {rest / (bw / N):.2f} |")
+            lines.append(f"| {r['T'] // 1024}K | {name} | {mib1(bw / N)} | {mib1(ring)} | {bw / ring:.1f}x | "
+                         f"{mib1(r['ring_travelling'])} | {mib1(rest)} | {rest / (bw / N):.2f} |")
     lines += ["", f"Causal work balance, ring over N={N}, T={balance['T']}. Per step: the busiest device's useful "
               "(unmasked) query-key pairs over the mean, summed over steps (a ring step lasts as long as its busiest "
               "device; 1.00 = perfect). Per device: total useful pairs, max over mean. Tiles: what the ring kernel "

@@ -3,18 +3,17 @@
     python -m experiments.context_parallel.bench [--quick] [--out experiments/context_parallel/results]
     python -m experiments.context_parallel.bench --memory-only [--T 4096 ...]   # part 1 only, printed
 
-Part 1 (memory). An MLA layer's forward+backward (grads of params and input) is compiled for 8 fake
-CPU devices and its per-device peak read from `.compile().memory_analysis()` (arguments + outputs +
-temporaries - aliased), for T = 4K..64K: one device (`flash` and `dot_product` attention), and the
-row split over context=8 with all_gather, ring and ulysses (zigzag layout). Nothing runs: these are XLA's
-buffer-assignment numbers of the compiled per-device program. XLA:CPU's default scheduler orders for
-thread concurrency: it runs every operand-free instruction (the backward's zero fills, the loss's constant
-cotangents) first, so they are held through the forward. `blockwise` and `ring` are compiled a second
-time under its memory-optimized scheduler (`--xla_cpu_enable_concurrency_optimized_scheduler=false`, in
-a subprocess: XLA reads the flag once per process), which places them where they are used, as
-accelerator schedulers do; that scheduler also delays each ring transfer to after the compute it could
-overlap, so the ring's block in flight appears in neither. The constant table sets the ring's two
-travelling K/V blocks (the one computed on and the one in flight) apart from the rest.
+Part 1 (memory). An MLA layer's forward+backward (loss 0.5 * sum(y^2); grads of params and input) is
+compiled for 8 fake CPU devices and its per-device peak read from `.compile().memory_analysis()`
+(arguments + outputs + temporaries - aliased), for T = 4K..64K: one device (`flash` and `dot_product`
+attention), and the row split over context=8 with all_gather, ring and ulysses (zigzag layout). Nothing
+runs: these are XLA's buffer-assignment numbers of the compiled per-device program. XLA:CPU's default
+scheduler orders for thread concurrency: it runs every operand-free instruction (the backward's zero
+fills) first, so they are held through the forward. `blockwise` and `ring` are compiled a second time
+under its memory-optimized scheduler (`--xla_cpu_enable_concurrency_optimized_scheduler=false`, in a
+subprocess: XLA reads the flag once per process), which places each fill where it is used but also
+delays each ring transfer to after the compute it should overlap. The second table sets the ring's
+constant parts apart: its two travelling K/V blocks (computed on, in flight) and one tile.
 
 Part 2 (balance). For a causal row over N=8 devices, the useful (unmasked) query-key pairs each device
 computes at each ring step, plain (contiguous) vs zigzag, for one document filling the row and for a

@@ -34,7 +34,7 @@ def renderers() -> dict:
     from experiments.bench_kda import bench as bench_kda
     from experiments.bench_train import bench as bench_train
     from experiments.context_parallel import attribution as cp_attribution, bench as cp_bench, context_schedule
-    from experiments.context_parallel import model_memory
+    from experiments.context_parallel import model_memory, ring_memory
     from experiments.expert_parallel import bench as ep_bench
     from experiments.loss_parity import run_parity
     from experiments.make_run import run_default
@@ -51,6 +51,7 @@ def renderers() -> dict:
     schedule = "experiments/context_parallel/results/context_schedule.json"
     plans = "experiments/plan/results/flagship.json"
     attribution = "experiments/context_parallel/results/attribution.json"
+    ring_kinds = "experiments/context_parallel/results/ring_memory.json"
     expert = "experiments/expert_parallel/results/results.json"
     fill = "experiments/whole_document_packing/results/fill.json"
     return {
@@ -71,6 +72,7 @@ def renderers() -> dict:
         "context_schedule": (schedule, context_schedule, lambda: context_schedule.table(_load(schedule))),
         "plan_flagship": (plans, plan_flagship, lambda: plan_flagship.table(_load(plans))),
         "cp_attribution": (attribution, cp_attribution, lambda: cp_attribution.table(_load(attribution))),
+        "ring_memory": (ring_kinds, ring_memory, lambda: ring_memory.table(_load(ring_kinds))),
         "expert_parallel": (expert, ep_bench, lambda: ep_bench.table(_load(expert))),
         "whole_document_packing": (fill, packing_fill, lambda: packing_fill.table(_load(fill))),
     }

@@ -1,12 +1,19 @@
 """Context-parallel attention: per-device memory vs T, and causal work balance plain vs zigzag.
 
     python -m experiments.context_parallel.bench [--quick] [--out experiments/context_parallel/results]
+    python -m experiments.context_parallel.bench --memory-only [--T 4096 ...]   # part 1 only, printed
 
-Part 1 (memory). An MLA layer's forward+backward (grads of params and input) is compiled for 8 fake
-CPU devices and its per-device peak read from `.compile().memory_analysis()` (arguments + outputs +
-temporaries - aliased), for T = 4K..64K: one device (`flash` and `dot_product` attention), and the
-row split over context=8 with all_gather, ring and ulysses (zigzag layout). Nothing runs: these are XLA's
-buffer-assignment numbers of the compiled per-device program.
+Part 1 (memory). An MLA layer's forward+backward (loss 0.5 * sum(y^2); grads of params and input) is
+compiled for 8 fake CPU devices and its per-device peak read from `.compile().memory_analysis()`
+(arguments + outputs + temporaries - aliased), for T = 4K..64K: one device (`flash` and `dot_product`
+attention), and the row split over context=8 with all_gather, ring and ulysses (zigzag layout). Nothing
+runs: these are XLA's buffer-assignment numbers of the compiled per-device program. XLA:CPU's default
+scheduler orders for thread concurrency: it runs every operand-free instruction (the backward's zero
+fills) first, so they are held through the forward. `blockwise` and `ring` are compiled a second time
+under its memory-optimized scheduler (`--xla_cpu_enable_concurrency_optimized_scheduler=false`, in a
+subprocess: XLA reads the flag once per process), which places each fill where it is used but also
+delays each ring transfer to after the compute it should overlap. The second table sets the ring's
+constant parts apart: its two travelling K/V blocks (computed on, in flight) and one tile.
 
 Part 2 (balance). For a causal row over N=8 devices, the useful (unmasked) query-key pairs each device
 computes at each ring step, plain (contiguous) vs zigzag, for one document filling the row and for a
@@ -26,6 +33,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from unittest import mock  # noqa: E402
 
@@ -54,8 +63,12 @@ def peak_bytes(compiled) -> int:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def mla_peak(T: int, mode: str) -> int:
-    """Per-device peak bytes of MLA fwd+bwd at B=1, T tokens.
+MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+SCHEDULED = ("blockwise", "ring")   # the modes also compiled under the memory-optimized scheduler
+
+
+def mla_lowered(T: int, mode: str):
+    """The lowered MLA fwd+bwd at B=1, T tokens (grads of params and input).
 
     mode: flash | dot_product (one device, the model's kernels), blockwise (one device, the CP tile kernel:
     a ring of one, so ring / blockwise isolates the effect of splitting the row), or a CP strategy.
@@ -71,15 +84,42 @@ def mla_peak(T: int, mode: str) -> int:
 
     def loss(params, x, seg, pos):
         with context_parallel(cp), (force if mode == "blockwise" else contextlib.nullcontext()):
-            return jnp.sum(nnx.merge(graphdef, params)(x, seg, pos))
+            y = nnx.merge(graphdef, params)(x, seg, pos)
+            # A loss whose cotangent depends on the forward, as in training (a plain sum has a constant one, which
+            # XLA computes from the weights alone and may hold through the whole forward).
+            return 0.5 * jnp.sum(y * y)
 
     row, rep = NamedSharding(mesh, P(None, "context")), NamedSharding(mesh, P())
     shapes = (jax.ShapeDtypeStruct((1, T, EMB), jnp.float32, sharding=row),
               jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row),
               jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row))
     params_abs = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=rep), params)
-    fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    return peak_bytes(fn.lower(params_abs, *shapes).compile())
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params_abs, *shapes)
+
+
+def mla_peak(T: int, mode: str) -> int:
+    """Per-device peak bytes of `mla_lowered(T, mode)`, compiled under this process's XLA flags."""
+    return peak_bytes(mla_lowered(T, mode).compile())
+
+
+def memory_scheduled(lengths, modes=SCHEDULED) -> dict:
+    """{(T, mode): peak bytes} compiled under XLA:CPU's memory-optimized scheduler (a subprocess)."""
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {MEMORY_SCHEDULER}".strip())
+    args = [sys.executable, "-m", "experiments.context_parallel.bench", "--peaks", *map(str, lengths), "--modes", *modes]
+    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+    return {(r["T"], r["mode"]): r["peak"] for r in json.loads(out.strip().splitlines()[-1])}
+
+
+def travelling_bytes(T: int) -> int:
+    """The ring's two K/V blocks (the one computed on, the one in flight): 2 x T/N tokens x H x (K + V), fp32."""
+    return 2 * (T // N) * MLA_CFG.num_heads * (MLA_CFG.qk_head_dim + MLA_CFG.v_head_dim) * 4
+
+
+def tile_bytes(T: int) -> int:
+    """One tile's logits and probabilities, [B, H, block, block] fp32 each, at the block the ring uses
+    (`model.attention_block_size`, capped at one zigzag chunk of T / 2N)."""
+    block = min(BLOCK, T // (2 * N))
+    return 2 * MLA_CFG.num_heads * block * block * 4
 
 
 def part1(lengths) -> list[dict]:
@@ -90,6 +130,13 @@ def part1(lengths) -> list[dict]:
             row[mode] = mla_peak(T, mode)
             print(f"T={T:6d} {mode:12s} {row[mode] / 2**20:10.1f} MiB", flush=True)
         rows.append(row)
+    scheduled = memory_scheduled(lengths)
+    for row in rows:
+        for mode in SCHEDULED:
+            row[f"{mode}_memory_scheduler"] = scheduled[(row["T"], mode)]
+            print(f"T={row['T']:6d} {mode:12s} {scheduled[(row['T'], mode)] / 2**20:10.1f} MiB (memory-optimized "
+                  "scheduler)", flush=True)
+        row["ring_travelling"] = travelling_bytes(row["T"])
     return rows
 
 
@@ -186,10 +233,28 @@ def table(memory: list[dict], balance: dict, code: str = "-") -> str:
              "| T | dot_product | flash | blockwise | all_gather | ring | ulysses | blockwise/ring | flash/ring |",
              "|---|---|---|---|---|---|---|---|---|"]
     mib = lambda b: f"{b / 2**20:.0f}"
+    mib1 = lambda b: f"{b / 2**20:.1f}"
     for r in memory:
         lines.append(f"| {r['T'] // 1024}K | {mib(r['dot_product'])} | {mib(r['flash'])} | {mib(r['blockwise'])} | "
                      f"{mib(r['all_gather'])} | {mib(r['ring'])} | {mib(r['ulysses'])} | "
                      f"{r['blockwise'] / r['ring']:.1f}x | {r['flash'] / r['ring']:.1f}x |")
+    lines += ["", f"The ring against {N} x its one-device peer (the same tile kernel on the whole row), with its "
+              "constant parts set apart: the two travelling K/V blocks (the one computed on and the one in flight, "
+              f"2 x T/{N} x {MLA_CFG.num_heads} heads x (K+V) x 4 B) and one tile's logits and probabilities "
+              f"(2 x {MLA_CFG.num_heads} heads x block^2 x 4 B). Per scheduler of XLA:CPU: default (concurrency-"
+              "optimized, every operand-free fill first) and memory (memory-optimized). Goal: ring <= "
+              f"blockwise / {N}.", "",
+              "| T | scheduler | blockwise / 8 | ring | blockwise/ring | two K/V blocks | tile | ring - both | "
+              "(ring - both) / (blockwise / 8) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in memory:
+        if "ring_memory_scheduler" not in r:
+            continue
+        tile = tile_bytes(r["T"])
+        for name, bw, ring in (("default", r["blockwise"], r["ring"]),
+                               ("memory", r["blockwise_memory_scheduler"], r["ring_memory_scheduler"])):
+            rest = ring - r["ring_travelling"] - tile
+            lines.append(f"| {r['T'] // 1024}K | {name} | {mib1(bw / N)} | {mib1(ring)} | {bw / ring:.1f}x | "
+                         f"{mib1(r['ring_travelling'])} | {mib1(tile)} | {mib1(rest)} | {rest / (bw / N):.2f} |")
     lines += ["", f"Causal work balance, ring over N={N}, T={balance['T']}. Per step: the busiest device's useful "
               "(unmasked) query-key pairs over the mean, summed over steps (a ring step lasts as long as its busiest "
               "device; 1.00 = perfect). Per device: total useful pairs, max over mean. Tiles: what the ring kernel "
@@ -208,7 +273,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "experiments" / "context_parallel" / "results"))
+    parser.add_argument("--memory-only", action="store_true", help="part 1 only, printed, nothing written")
+    parser.add_argument("--T", type=int, nargs="+", help="lengths for --memory-only (default 4K..64K)")
+    parser.add_argument("--peaks", type=int, nargs="+", help=argparse.SUPPRESS)  # worker: T... -> JSON peaks
+    parser.add_argument("--modes", nargs="+", default=list(SCHEDULED), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peaks:
+        print(json.dumps([{"T": T, "mode": m, "peak": mla_peak(T, m)} for T in args.peaks for m in args.modes]))
+        return
+    if args.memory_only:
+        part1(args.T or [4096, 8192, 16384, 32768, 65536])
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536]

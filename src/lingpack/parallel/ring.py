@@ -10,6 +10,11 @@ by index / segment ranges are skipped (`blockwise.tile_visible`) and counted.
 Backward (custom VJP, from the saved fp32 lse): a second ring in which each key block travels with its
 fp32 dK / dV accumulators; every device adds its contribution, and after R hops they are home.
 
+Memory per device: the local q, k, v, o and lse, the key block being computed and the one in flight; in
+the backward also dq, the arriving dK / dV and this step's own (a fresh buffer, so the compute never waits
+for the arriving one). The local step runs outside the scans: no scan carry starts as a copy of the local
+K/V or as zero-filled dK / dV. docs/parallelism.md#ring-attention-memory has the measured breakdown.
+
 USP reuses this with `stride` U: ring partners are the devices U apart on the `context` axis (the ones
 holding the same head group after the Ulysses all-to-all, see ulysses.py).
 """
@@ -45,6 +50,11 @@ def _send(ring: Ring, arrays: tuple) -> tuple:
 def _ring_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, ring: Ring):
     B, H, Q, _ = q.shape
     tiles = lambda st, kv: forward_tiles(st, q, kv[0], kv[1], q_seg, kv[2], q_index, kv[3], ring.tiling)
+    state = init_softmax(B, H, Q, v.shape[-1], at_least_fp32(q.dtype, k.dtype, v.dtype))
+    kv = (k, v, kv_seg, kv_index)
+    if ring.size == 1:
+        st, count = tiles(state, kv)
+        return (*finalize(st), count)
 
     def step(carry, _):
         st, kv, count = carry
@@ -52,12 +62,12 @@ def _ring_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, ring: Ring):
         st, c = tiles(st, kv)
         return (st, nxt, count + c), None
 
-    state = init_softmax(B, H, Q, v.shape[-1], at_least_fp32(q.dtype, k.dtype, v.dtype))
-    carry = (state, (k, v, kv_seg, kv_index), jnp.int32(0))
-    (st, kv, count), _ = jax.lax.scan(step, carry, None, length=ring.size - 1)
+    # The local step runs outside the scan, so the scan's carry starts from the first received block
+    # (a fresh buffer) instead of a copy of the local K/V, which the backward keeps anyway.
+    (st, kv, count), _ = step((state, kv, jnp.int32(0)), None)
+    (st, kv, count), _ = jax.lax.scan(step, (st, kv, count), None, length=ring.size - 2)
     st, c = tiles(st, kv)                # the last block needs no onward transfer
-    o, lse = finalize(st)
-    return o, lse, count + c
+    return (*finalize(st), count + c)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -74,23 +84,30 @@ def _ring_fwd(q, k, v, q_seg, kv_seg, q_index, kv_index, ring):
 
 def _ring_bwd(ring, res, cotangents):
     q, k, v, q_seg, kv_seg, q_index, kv_index, o, lse = res
-    do, wide = cotangents[0].astype(o.dtype), o.dtype   # o's dtype: fp32 (float64 for float64 inputs)
+    do = cotangents[0].astype(o.dtype)   # o's dtype: fp32 (float64 for float64 inputs)
     delta = jnp.sum(do * o, axis=-1)  # D_i = sum_v dO_iv O_iv, the softmax-Jacobian row term
-    grads = lambda kv: backward_tiles(q, kv[0], kv[1], do, lse, delta, q_seg, kv[2], q_index, kv[3], ring.tiling)
+    grads = lambda kv, dq, fill=0.0: backward_tiles(q, kv[0], kv[1], do, lse, delta, q_seg, kv[2], q_index, kv[3],
+                                                    ring.tiling, dq_BHQK=dq, fill=fill)  # dq accumulates in place
+    kv = (k, v, kv_seg, kv_index)
+    cast = lambda dq, dk, dv: (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
+    if ring.size == 1:
+        return cast(*grads(kv, None))
 
     def step(carry, _):
         dq, kv, dkv = carry
         nxt = _send(ring, kv)            # issued before the compute, as in the forward
-        dq_t, dk_t, dv_t = grads(kv)
-        dkv = _send(ring, (dkv[0] + dk_t, dkv[1] + dv_t))  # fp32 dK/dV ride along with their K/V
-        return (dq + dq_t, nxt, dkv), None
+        dq, dk_t, dv_t = grads(kv, dq)   # fresh dK/dV: adding into the arriving dkv would wait for its transfer
+        dkv = _send(ring, (dk_t, dv_t) if dkv is None else (dkv[0] + dk_t, dkv[1] + dv_t))  # fp32, with their K/V
+        return (dq, nxt, dkv), None
 
-    dkv0 = (jnp.zeros(k.shape, wide), jnp.zeros(v.shape, wide))
-    carry = (jnp.zeros(q.shape, wide), (k, v, kv_seg, kv_index), dkv0)
-    (dq, kv, dkv), _ = jax.lax.scan(step, carry, None, length=ring.size - 1)
-    dq_t, dk_t, dv_t = grads(kv)
+    # The local step runs outside the scan: it starts dq and the travelling dK/dV without zero-filled carries.
+    (dq, kv, dkv), _ = step((None, kv, None), None)
+    (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), None, length=ring.size - 2)
+    # -0.0: a fill XLA cannot merge with the local step's 0.0 one. Merged, the one buffer would be copied
+    # before the local step writes into it, and that copy held through the whole backward ring.
+    dq, dk_t, dv_t = grads(kv, dq, fill=-0.0)
     dk, dv = _send(ring, (dkv[0] + dk_t, dkv[1] + dv_t))  # the R-th hop brings them home
-    return (dq + dq_t).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+    return cast(dq, dk, dv)
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)

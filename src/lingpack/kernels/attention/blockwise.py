@@ -104,17 +104,14 @@ def step_backward(q_BHQK, k_BHSK, v_BHSV, do_BHQV, lse_BHQ, delta_BHQ, q_seg, kv
     return dq, dk, dv
 
 
-def _split(x, block: int, axis: int):
-    """[.., n*block, ..] -> [n, .., block, ..] (blocks first, for lax.scan / lax.map)."""
-    n = x.shape[axis] // block
-    x = x.reshape(*x.shape[:axis], n, block, *x.shape[axis + 1:])
-    return jnp.moveaxis(x, axis, 0)
+def _block(x, i, block: int, axis: int):
+    """Block `i` (length `block`) of `axis`: a dynamic slice, which XLA fuses into its consumer (no copy)."""
+    return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis)
 
 
-def _merge(x, axis: int):
-    """The inverse of `_split`."""
-    x = jnp.moveaxis(x, 0, axis)
-    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+def _put(x, update, i, block: int, axis: int):
+    """`x` with block `i` of `axis` replaced by `update` (in place on a loop carry)."""
+    return jax.lax.dynamic_update_slice_in_dim(x, update, i * block, axis)
 
 
 def check_tiling(Q: int, S: int, tiling: Tiling) -> None:
@@ -124,57 +121,69 @@ def check_tiling(Q: int, S: int, tiling: Tiling) -> None:
                              "block that divides it (model.attention_block_size)")
 
 
+# The tile loops below index blocks in place (dynamic slices of loop-invariant inputs, dynamic updates of
+# loop carries) rather than reshaping the operands into a [blocks, ...] stack for lax.scan: a stack is a
+# transposed copy of every operand and of every accumulator, each as large as the operand itself.
+
 def forward_tiles(state: Softmax, q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index, kv_index, tiling: Tiling):
     """`state` updated with every visible tile of q x kv -> (state, number of tiles computed)."""
-    check_tiling(q_BHQK.shape[2], k_BHSK.shape[2], tiling)
+    Q, S = q_BHQK.shape[2], k_BHSK.shape[2]
+    check_tiling(Q, S, tiling)
     bq, bk = tiling.block_q, tiling.block_kv
-    kv_blocks = (_split(k_BHSK, bk, 2), _split(v_BHSV, bk, 2), _split(kv_seg, bk, 1), _split(kv_index, bk, 0))
 
-    def one_q_block(xs):
-        st, q, qs, qi = xs
+    def one_q_block(i, carry):
+        state, count = carry
+        q, qs, qi = _block(q_BHQK, i, bq, 2), _block(q_seg, i, bq, 1), _block(q_index, i, bq, 0)
 
-        def one_kv_block(carry, ys):
+        def one_kv_block(j, carry):
             st, count = carry
-            k, v, ks, ki = ys
+            k, v, ks, ki = _block(k_BHSK, j, bk, 2), _block(v_BHSV, j, bk, 2), _block(kv_seg, j, bk, 1), \
+                _block(kv_index, j, bk, 0)
             visible = tile_visible(qs, ks, qi, ki, tiling.causal)
             st = jax.lax.cond(visible, lambda: step_forward(st, q, k, v, qs, ks, qi, ki, tiling), lambda: st)
-            return (st, count + visible.astype(jnp.int32)), None
+            return st, count + visible.astype(jnp.int32)
 
-        (st, count), _ = jax.lax.scan(one_kv_block, (st, jnp.int32(0)), kv_blocks)
-        return st, count
+        st = Softmax(*(_block(x, i, bq, 2) for x in state))
+        st, count = jax.lax.fori_loop(0, S // bk, one_kv_block, (st, count))
+        return Softmax(*(_put(x, y, i, bq, 2) for x, y in zip(state, st))), count
 
-    q_blocks = (Softmax(_split(state.m, bq, 2), _split(state.l, bq, 2), _split(state.acc, bq, 2)),
-                _split(q_BHQK, bq, 2), _split(q_seg, bq, 1), _split(q_index, bq, 0))
-    st, counts = jax.lax.map(one_q_block, q_blocks)
-    return Softmax(_merge(st.m, 2), _merge(st.l, 2), _merge(st.acc, 2)), jnp.sum(counts)
+    return jax.lax.fori_loop(0, Q // bq, one_q_block, (state, jnp.int32(0)))
 
 
 def backward_tiles(q_BHQK, k_BHSK, v_BHSV, do_BHQV, lse_BHQ, delta_BHQ, q_seg, kv_seg, q_index, kv_index,
-                   tiling: Tiling):
-    """(dq [B,H,Q,K], dk [B,H,S,K], dv [B,H,S,V]) fp32 (or wider) summed over every visible tile."""
-    check_tiling(q_BHQK.shape[2], k_BHSK.shape[2], tiling)
+                   tiling: Tiling, dq_BHQK=None, fill: float = 0.0):
+    """(dq [B,H,Q,K], dk [B,H,S,K], dv [B,H,S,V]) fp32 (or wider) summed over every visible tile.
+
+    `dq_BHQK`: a dq accumulator to add into (in place; the ring's running dq), else zeros. `fill`: the
+    starting value of the dk / dv accumulators, 0.0 or -0.0 (both add exactly: x + -0.0 == x for every x).
+    """
+    Q, S = q_BHQK.shape[2], k_BHSK.shape[2]
+    check_tiling(Q, S, tiling)
     wide = at_least_fp32(q_BHQK.dtype, k_BHSK.dtype)  # gradient accumulators: the logits' dtype
     bq, bk = tiling.block_q, tiling.block_kv
-    kv_blocks = (_split(k_BHSK, bk, 2), _split(v_BHSV, bk, 2), _split(kv_seg, bk, 1), _split(kv_index, bk, 0))
-    q_blocks = tuple(_split(x, bq, a) for x, a in ((q_BHQK, 2), (do_BHQV, 2), (lse_BHQ, 2), (delta_BHQ, 2),
-                                                   (q_seg, 1), (q_index, 0)))
 
-    def one_q_block(dkv, xs):
-        q, do, lse, delta, qs, qi = xs
+    def one_q_block(i, carry):
+        dq_all, dk_all, dv_all = carry
+        q, do, lse, delta = (_block(x, i, bq, 2) for x in (q_BHQK, do_BHQV, lse_BHQ, delta_BHQ))
+        qs, qi = _block(q_seg, i, bq, 1), _block(q_index, i, bq, 0)
 
-        def one_kv_block(dq, ys):
-            k, v, ks, ki = ys
+        def one_kv_block(j, carry):
+            dq, dk_all, dv_all = carry
+            k, v, ks, ki = _block(k_BHSK, j, bk, 2), _block(v_BHSV, j, bk, 2), _block(kv_seg, j, bk, 1), \
+                _block(kv_index, j, bk, 0)
             zeros = lambda: (jnp.zeros_like(dq), jnp.zeros(k.shape, wide), jnp.zeros(v.shape, wide))
             grads = lambda: step_backward(q, k, v, do, lse, delta, qs, ks, qi, ki, tiling)
             dq_t, dk_t, dv_t = jax.lax.cond(tile_visible(qs, ks, qi, ki, tiling.causal), grads, zeros)
-            return dq + dq_t, (dk_t, dv_t)
+            dk_all = _put(dk_all, _block(dk_all, j, bk, 2) + dk_t, j, bk, 2)
+            dv_all = _put(dv_all, _block(dv_all, j, bk, 2) + dv_t, j, bk, 2)
+            return dq + dq_t, dk_all, dv_all
 
-        dq, (dk_b, dv_b) = jax.lax.scan(one_kv_block, jnp.zeros(q.shape, wide), kv_blocks)
-        return (dkv[0] + _merge(dk_b, 2), dkv[1] + _merge(dv_b, 2)), dq
+        dq, dk_all, dv_all = jax.lax.fori_loop(0, S // bk, one_kv_block, (_block(dq_all, i, bq, 2), dk_all, dv_all))
+        return _put(dq_all, dq, i, bq, 2), dk_all, dv_all
 
-    dkv0 = (jnp.zeros(k_BHSK.shape, wide), jnp.zeros(v_BHSV.shape, wide))
-    (dk, dv), dq_b = jax.lax.scan(one_q_block, dkv0, q_blocks)
-    return _merge(dq_b, 2), dk, dv
+    dq0 = jnp.zeros(q_BHQK.shape, wide) if dq_BHQK is None else dq_BHQK
+    init = (dq0, jnp.full(k_BHSK.shape, fill, wide), jnp.full(v_BHSV.shape, fill, wide))
+    return jax.lax.fori_loop(0, Q // bq, one_q_block, init)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))

@@ -43,7 +43,7 @@ def _decay_products(q_NCK, k_NCK, G_NCK, seg_NC, *, sub: int, safe_gate: bool):
     are interleaved so each level is one matmul for both products.
     """
     *outer, C, K = q_NCK.shape
-    # one batch axis: a YNN fused transpose of XLA:CPU segfaulted on the 8-9-dim arrays of [N, B, H] (jaxlib 0.10.2)
+    # one batch axis: a YNN fused transpose of XLA:CPU segfaulted on the 8-9-dim arrays of [B, N, H] (jaxlib 0.10.2)
     q_NCK, k_NCK, G_NCK = [a.reshape(-1, C, K) for a in (q_NCK, k_NCK, G_NCK)]
     seg_NC = jnp.broadcast_to(seg_NC, (*outer, C)).reshape(-1, C)
     P = q_NCK.shape[0]
@@ -258,22 +258,21 @@ def _intra_chunk(q, k, g, beta, seg_C, *, sub: int, safe_gate: bool):
 
 
 def _to_chunks(x_BTH_, n_chunks, chunk_size):
-    """[B, T, H, *] -> [N, B, H, C, *]: chunk-major from the inputs on, so every per-chunk array is born in
-    `chunk_scan`'s layout (moving B behind N afterwards would copy each C x C matrix once B > 1)."""
+    """[B, T, H, *] -> [B, N, H, C, *]."""
     B, T, H = x_BTH_.shape[:3]
     x = x_BTH_.reshape(B, n_chunks, chunk_size, H, *x_BTH_.shape[3:])
-    return jnp.moveaxis(jnp.moveaxis(x, 2, 3), 1, 0)
+    return jnp.moveaxis(x, 2, 3)
 
 
-def _from_chunks(x_NBHCV):
-    N, B, H, C, V = x_NBHCV.shape
-    return jnp.transpose(x_NBHCV, (1, 0, 3, 2, 4)).reshape(B, N * C, H, V)
+def _from_chunks(x_BNHCV):
+    B, N, H, C, V = x_BNHCV.shape
+    return jnp.moveaxis(x_BNHCV, 3, 2).reshape(B, N * C, H, V)
 
 
-def _lanes_major(x_NBH_):
-    """[N, B, H, *] -> [N, B * H, *]: lanes and heads flattened for `chunk_scan` (a reshape, no copy)."""
-    N, B, H = x_NBH_.shape[:3]
-    return x_NBH_.reshape(N, B * H, *x_NBH_.shape[3:])
+def _lanes_major(x_BNH_):
+    """[B, N, H, *] -> [N, B * H, *]: chunk-major, lanes and heads flattened for `chunk_scan`."""
+    B, N, H = x_BNH_.shape[:3]
+    return jnp.moveaxis(x_BNH_, 1, 0).reshape(N, B * H, *x_BNH_.shape[3:])
 
 
 def _prepare(q, k, v, g, beta, real_BT, scale):
@@ -301,16 +300,16 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
         xs = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in xs]
         ids = jnp.pad(ids, [(0, 0), (0, pad)], mode="edge")
     q, k, v, g, beta = [_to_chunks(x, n_chunks, chunk_size) for x in xs[:4]] + [
-        jnp.transpose(xs[4].reshape(B, n_chunks, chunk_size, H), (1, 0, 3, 2))]
+        jnp.moveaxis(xs[4].reshape(B, n_chunks, chunk_size, H), 2, 3)]
 
-    ids_NBC = jnp.swapaxes(ids.reshape(B, n_chunks, chunk_size), 0, 1)
-    prev_last = jnp.concatenate([ids_NBC[:1, :, 0], ids_NBC[:-1, :, -1]], axis=0)     # [N, B]
-    carry_NBC = ids_NBC == prev_last[..., None]        # token continues the segment the state belongs to
-    pre = _intra_chunk(q, k, g, beta, ids_NBC[:, :, None], sub=sub_chunk, safe_gate=safe_gate)
-    heads = lambda x_NB_: jnp.broadcast_to(x_NB_[:, :, None], (n_chunks, B, H, *x_NB_.shape[2:]))
+    ids_BNC = ids.reshape(B, n_chunks, chunk_size)
+    prev_last = jnp.concatenate([ids_BNC[:, :1, 0], ids_BNC[:, :-1, -1]], axis=1)     # [B, N]
+    carry_BNC = ids_BNC == prev_last[..., None]        # token continues the segment the state belongs to
+    pre = _intra_chunk(q, k, g, beta, ids_BNC[:, :, None], sub=sub_chunk, safe_gate=safe_gate)
+    heads = lambda x_BN_: jnp.broadcast_to(x_BN_[:, :, None], (B, n_chunks, H, *x_BN_.shape[2:]))
     # t_mat is block-diagonal per segment, so masking k's rows masks W's; keep: the whole chunk continues
-    pre.update(q=q, k=k, v=v, carry=heads(carry_NBC), last=heads(ids_NBC == ids_NBC[..., -1:]),
-               keep=heads(carry_NBC[..., -1]))
+    pre.update(q=q, k=k, v=v, carry=heads(carry_BNC), last=heads(ids_BNC == ids_BNC[..., -1:]),
+               keep=heads(carry_BNC[..., -1]))
     m = jax.tree.map(_lanes_major, pre)
     # lane b starts from table row b (its initial state); later chunks add the zero row B
     wide = xs[0].dtype
@@ -318,7 +317,7 @@ def chunked_segment_native(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_
     idx_NB = jnp.full((n_chunks, B), B, jnp.int32).at[0].set(jnp.arange(B, dtype=jnp.int32))
     r_NB = jnp.broadcast_to((jnp.arange(n_chunks) > 0)[:, None], (n_chunks, B)).astype(wide)
     o_NMCV, _, _, final_MKV = chunk_scan(table, idx_NB, r_NB, *(m[name] for name in SCAN_INPUTS))
-    o_BTHV = _from_chunks(o_NMCV.reshape(n_chunks, B, H, chunk_size, V))[:, :T]
+    o_BTHV = _from_chunks(jnp.moveaxis(o_NMCV.reshape(n_chunks, B, H, chunk_size, V), 0, 1))[:, :T]
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_MKV.reshape(B, H, K, V)
 
 
@@ -336,7 +335,7 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
     scatter = lambda x: jnp.zeros((t_new,) + x.shape[2:], x.dtype).at[plan.dest].set(
         x.reshape(B * T, *x.shape[2:]), mode="drop")[None]
     q, k, v, g = [_to_chunks(scatter(x), n_chunks, chunk_size) for x in xs[:4]]
-    beta = jnp.transpose(scatter(xs[4]).reshape(1, n_chunks, chunk_size, H), (1, 0, 3, 2))
+    beta = jnp.moveaxis(scatter(xs[4]).reshape(1, n_chunks, chunk_size, H), 2, 3)
     pre = _intra_chunk(q, k, g, beta, None, sub=sub_chunk, safe_gate=safe_gate)
     every = jnp.ones(beta.shape, bool)               # one segment per chunk; resets come from r and the table
     pre.update(q=q, k=k, v=v, carry=every, last=every, keep=every[..., 0])
@@ -359,6 +358,6 @@ def chunked_aligned(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, segment_ids_BT,
     leaving = decay[..., None] * at(states_NHKV) + jnp.swapaxes(k_out, -1, -2) @ (at(m["t_mat"]) @ at(x_NHCV))
     final_BHKV = jnp.where((row_final_chunk >= 0)[:, None, None, None], leaving,
                            initial_state_BHKV.astype(wide))
-    o_flat = _from_chunks(o_NHCV[:, None])[0]               # [T_new, H, V]
+    o_flat = _from_chunks(o_NHCV[None])[0]                  # [T_new, H, V]
     o_BTHV = jnp.take(o_flat, plan.dest, axis=0, mode="fill", fill_value=0.0).reshape(B, T, H, V)
     return jnp.where(real[..., None, None], o_BTHV, 0.0), final_BHKV

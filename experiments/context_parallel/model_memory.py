@@ -47,8 +47,7 @@ COUNTER = 2             # version of `collectives`; the table skips counts from 
 VARIANTS = {   # code changes measured against the main grid (which stays as it was measured)
     "moe_local": "each device dispatches its own tokens to the experts.",
     "conv_vjp": ("as `moe_local`, and: the short convolution keeps only its input (its own VJP; under CP the previous "
-                 "block's tokens reach it apart), chunked KDA is chunk-major from its inputs on, the ring's tile "
-                 "kernel reads and updates blocks in place."),
+                 "block's tokens reach it apart), the ring's tile kernel reads and updates blocks in place."),
 }
 # the main grid's rows predate recording a commit; this names the code they measured
 MAIN_GRID_CODE = ("the code before commit b6a924d, whose MoE dispatched every token with one global sort over the "

@@ -93,3 +93,8 @@ def test_per_device_work_falls_with_the_batch_axis():
     temp = [c.memory_analysis().temp_size_in_bytes for c in (one, eight)]
     assert flops[1] * 8 < 1.25 * flops[0], flops   # a global MoE dispatch left ~1/3 of one device's work per device
     assert temp[1] * 8 < 1.5 * temp[0], temp
+    # rows over `data` alone: nothing is gathered (a kernel layout that hides the rows axis behind another,
+    # e.g. chunk-major KDA, made the partitioner gather its per-chunk arrays, which batch_collectives misses)
+    gathered = [f"{op.kind} {op.shape}" for op in hlo.collective_ops(eight.as_text())[0]
+                if op.kind == "all-gather" and op.group_size != 1]
+    assert gathered == [], gathered

@@ -125,22 +125,17 @@ def _conv_init(kernel_size: int):
     return init
 
 
-def _from_back(x_BTC: jax.Array, segment_ids_BT: jax.Array | None, lag: int) -> jax.Array:
-    """x[t - lag] where token t - lag exists and shares t's segment, else 0."""
-    x_src = jnp.pad(x_BTC, [(0, 0), (lag, 0), (0, 0)])[:, :x_BTC.shape[1]]
+def _tap(x_BTC: jax.Array, segment_ids_BT: jax.Array | None, offset: int) -> jax.Array:
+    """x[t + offset] where token t + offset exists and shares t's segment, else 0. The conv reads offsets -lag;
+    its transpose (the backward) reads +lag."""
+    T, lag = x_BTC.shape[1], abs(offset)
+    pad = (lag, 0) if offset < 0 else (0, lag)
+    cut = slice(0, T) if offset < 0 else slice(lag, lag + T)
+    x_src = jnp.pad(x_BTC, [(0, 0), pad, (0, 0)])[:, cut]
     if segment_ids_BT is None or not lag:
         return x_src
-    seg_src = jnp.pad(segment_ids_BT, [(0, 0), (lag, 0)], constant_values=-1)[:, :x_BTC.shape[1]]
+    seg_src = jnp.pad(segment_ids_BT, [(0, 0), pad], constant_values=-1)[:, cut]   # -1: no token there
     return jnp.where((seg_src == segment_ids_BT)[..., None], x_src, 0)
-
-
-def _from_ahead(d_BTC: jax.Array, segment_ids_BT: jax.Array | None, lag: int) -> jax.Array:
-    """d[t + lag] where token t + lag exists and shares t's segment, else 0: the transpose of `_from_back`."""
-    d_dst = jnp.pad(d_BTC, [(0, 0), (0, lag), (0, 0)])[:, lag:]
-    if segment_ids_BT is None or not lag:
-        return d_dst
-    seg_dst = jnp.pad(segment_ids_BT, [(0, 0), (0, lag)], constant_values=-1)[:, lag:]
-    return jnp.where((seg_dst == segment_ids_BT)[..., None], d_dst, 0)
 
 
 def segment_causal_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
@@ -155,7 +150,7 @@ def segment_causal_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: 
     wide = at_least_fp32(x_BTC.dtype, kernel_KC.dtype)  # accumulate the K taps in fp32 (or wider)
     y = jnp.zeros(x_BTC.shape, wide)
     for lag in range(K):
-        y = y + _from_back(x_BTC, segment_ids_BT, lag).astype(wide) * kernel_KC[K - 1 - lag].astype(wide)
+        y = y + _tap(x_BTC, segment_ids_BT, -lag).astype(wide) * kernel_KC[K - 1 - lag].astype(wide)
     return y.astype(x_BTC.dtype)
 
 
@@ -197,7 +192,7 @@ def _short_conv_bwd(activation, residuals, d_out_BTC):
         dy = dy * s * (1 + y * (1 - s))
     # tap `lag` sends x[t - lag] to y[t], so both gradients read dy[t + lag] at t:
     # sum_t dy[t] x[t - lag] = sum_s dy[s + lag] x[s]
-    ahead = [_from_ahead(dy, ids_ext, lag) for lag in range(K)]
+    ahead = [_tap(dy, ids_ext, lag) for lag in range(K)]
     dx = sum(a * kernel_KC[K - 1 - lag].astype(wide) for lag, a in enumerate(ahead))
     d_kernel = jnp.stack([jnp.sum(ahead[K - 1 - j] * x_ext.astype(wide), axis=(0, 1)) for j in range(K)])
     d_prev = None if prev_x_BWC is None else dx[:, :W].astype(prev_x_BWC.dtype)

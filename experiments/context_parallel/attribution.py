@@ -32,10 +32,12 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from experiments.provenance import commit  # noqa: E402
+from lingpack import hlo  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/context_parallel/results"
 MIB = 2 ** 20
-SCHEDULERS = {"default": "", "memory": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
 
 
 def part_of(buffer) -> str:
@@ -63,7 +65,6 @@ def measure(T: int, cp: int, scheduler: str = "default") -> dict:
     import jax
 
     from experiments.context_parallel.model_memory import model_config
-    from lingpack import hlo
     from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
     from lingpack.train.program import TrainProgram
 
@@ -73,8 +74,7 @@ def measure(T: int, cp: int, scheduler: str = "default") -> dict:
     with tempfile.TemporaryDirectory() as directory:
         compiled, live = hlo.compile_with_buffer_dump(program.lower(), directory)
     buffers = hlo.peak_buffers(live, compiled.as_text())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    return dict(T=T, cp=cp, scheduler=scheduler, commit=commit.strip(), peak_bytes=sum(b.bytes for b in buffers),
+    return dict(T=T, cp=cp, scheduler=scheduler, commit=commit(), peak_bytes=sum(b.bytes for b in buffers),
                 parts=hlo.group_bytes(buffers, part_of),
                 largest=[dict(bytes=b.bytes, shape=b.shape, part=part_of(b), op=b.op_name[-160:])
                          for b in buffers[:15]])
@@ -112,7 +112,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--T", type=int, nargs="+", default=[65536])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--scheduler", nargs="+", choices=sorted(SCHEDULERS), default=["default"])
+    parser.add_argument("--scheduler", nargs="+", choices=sorted(hlo.CPU_SCHEDULERS), default=["default"])
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)   # worker: T cp scheduler -> JSON on stdout
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args()
@@ -123,8 +123,7 @@ def main():
     results = json.loads(path.read_text()) if path.exists() else {}
     if not args.table_only:
         for scheduler in args.scheduler:
-            # XLA reads its flags once per process: each compile gets its own, the scheduler's flag included
-            env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + SCHEDULERS[scheduler]).strip())
+            env = hlo.scheduler_env(scheduler, os.environ)   # each compile in its own process, with its flags
             for T in args.T:
                 for cp in args.cp:
                     command = [sys.executable, "-m", "experiments.context_parallel.attribution", "--one", str(T),

@@ -45,6 +45,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from experiments.provenance import commit  # noqa: E402
+from lingpack import hlo  # noqa: E402
 from lingpack.models.mla import MLA, MLAConfig  # noqa: E402
 from lingpack.parallel.context import ContextParallel, context_attention, context_parallel  # noqa: E402
 from lingpack.parallel.reorder import zigzag_permutation  # noqa: E402
@@ -63,7 +64,6 @@ def peak_bytes(compiled) -> int:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 SCHEDULED = ("blockwise", "ring")   # the modes also compiled under the memory-optimized scheduler
 
 
@@ -104,7 +104,7 @@ def mla_peak(T: int, mode: str) -> int:
 
 def memory_scheduled(lengths, modes=SCHEDULED) -> dict:
     """{(T, mode): peak bytes} compiled under XLA:CPU's memory-optimized scheduler (a subprocess)."""
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {MEMORY_SCHEDULER}".strip())
+    env = hlo.scheduler_env("memory", os.environ)
     args = [sys.executable, "-m", "experiments.context_parallel.bench", "--peaks", *map(str, lengths), "--modes", *modes]
     out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
     return {(r["T"], r["mode"]): r["peak"] for r in json.loads(out.strip().splitlines()[-1])}

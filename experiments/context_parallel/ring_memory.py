@@ -25,11 +25,12 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from lingpack import hlo  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/context_parallel/results"
 MIB = 2 ** 20
 MODES = ("blockwise", "ring")
-SCHEDULERS = {"default": "", "memory": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
 KINDS = ("K/V or dK/dV blocks received (collective-permute results)", "copies of loop carries (XLA's copy insertion)",
          "fills and constant cotangents (operand-free, and their copies)", "tile temporaries [.., block, block]",
          "inputs and parameters", "activations and residuals (q, k, v, o, softmax state, projections, grads)")
@@ -72,7 +73,6 @@ def kind_of(buffer, producers: dict, block: int) -> str:
 
 def measure(T: int, mode: str) -> dict:
     from experiments.context_parallel.bench import BLOCK, mla_lowered, peak_bytes
-    from lingpack import hlo
     with tempfile.TemporaryDirectory() as directory:
         compiled, live = hlo.compile_with_buffer_dump(mla_lowered(T, mode), directory)
     text = compiled.as_text()
@@ -86,7 +86,7 @@ def measure(T: int, mode: str) -> dict:
 def table(results: dict) -> str:
     lines = []
     for T, runs in sorted(results["runs"].items(), key=lambda kv: int(kv[0])):
-        cols = [(s, m) for s in SCHEDULERS for m in MODES if f"{m}/{s}" in runs]
+        cols = [(s, m) for s in hlo.CPU_SCHEDULERS for m in MODES if f"{m}/{s}" in runs]
         lines += [f"MLA layer fwd+bwd at T={int(T) // 1024}K (B=1, 8 heads, emb 256, block 512, fp32): MiB per device "
                   "live at the buffer-assignment peak, by kind; `blockwise` on one device, `ring` at context=8 "
                   "(zigzag); per XLA:CPU scheduler (default: concurrency-optimized; memory: memory-optimized).", "",
@@ -117,8 +117,8 @@ def main():
         from experiments.provenance import commit
         results = {"commit": commit(), "runs": {}}
         for T in args.T:
-            for scheduler, flag in SCHEDULERS.items():
-                env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip())
+            for scheduler in hlo.CPU_SCHEDULERS:
+                env = hlo.scheduler_env(scheduler, os.environ)
                 for mode in MODES:
                     run = subprocess.run([sys.executable, "-m", "experiments.context_parallel.ring_memory", "--one",
                                           str(T), mode], cwd=ROOT, env=env, capture_output=True, text=True, check=True)

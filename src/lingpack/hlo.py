@@ -345,6 +345,17 @@ def group_bytes(buffers, key) -> dict[str, int]:
     return dict(totals.most_common())
 
 
+# XLA:CPU's schedulers as XLA_FLAGS. The default (concurrency-optimized) one runs every operand-free instruction
+# first, so zero fills are held from the program's start; the memory-optimized one places each where it is used.
+# XLA reads its flags once per process: compile under another scheduler in a subprocess (`scheduler_env`).
+CPU_SCHEDULERS = {"default": "", "memory": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
+
+
+def scheduler_env(scheduler: str, env: dict) -> dict:
+    """`env` with XLA_FLAGS extended by XLA:CPU scheduler `scheduler`'s flag (a key of CPU_SCHEDULERS)."""
+    return dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {CPU_SCHEDULERS[scheduler]}".strip())
+
+
 def compile_with_buffer_dump(lowered, directory: str):
     """(compiled, its live-range dump text): `lowered.compile` with XLA's dump into `directory` (text HLO only)."""
     import glob

@@ -96,8 +96,61 @@ def test_preprocess_with_local_tokenizer_json(tmp_path):
     eod = tokenizer.token_to_id("<eod>")
     expected = [tokenizer.token_to_id(w) for w in ("the", "cat", "ran")] + [eod]
     assert IndexedDataset(prefix)[0].tolist() == expected
-    with pytest.raises(ValueError, match="name the end-of-document token"):
-        preprocess_main(["--input", str(source), "--output-prefix", prefix, "--tokenizer", path])
+    assert preprocess_main(["--input", str(source), "--output-prefix", prefix, "--tokenizer", path]) == 1
+
+
+def _snapshot(directory: Path) -> dict:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_failed_preprocess_leaves_an_existing_dataset_untouched(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(30)))
+    out = tmp_path / "out"
+    prefix = str(out / "corpus")
+    assert preprocess_main(["--input", str(good), "--output-prefix", prefix, "--append-eod"]) == 0
+    before = _snapshot(out)
+    assert sorted(before) == ["corpus.bin", "corpus.idx", "corpus.tokenizer-record.json"]
+    capsys.readouterr()
+    invalid = tmp_path / "invalid.jsonl"
+    invalid.write_text(good.read_text() + "{not json\n")
+    wrong_key = tmp_path / "key.jsonl"
+    wrong_key.write_text(json.dumps({"content": "x"}) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cases = {"invalid.jsonl:31: not valid JSON": [str(invalid)],
+             "key.jsonl:1: no 'text' key": [str(wrong_key)],
+             "empty.jsonl: no document with text": [str(empty)],
+             "missing.jsonl: input file not found": [str(good), str(tmp_path / "missing.jsonl")]}
+    for message, inputs in cases.items():
+        assert preprocess_main(["--input", *inputs, "--output-prefix", prefix, "--append-eod"]) == 1, message
+        err = capsys.readouterr().err
+        assert message in err and len(err.splitlines()) <= 3 and "Traceback" not in err, err
+        assert _snapshot(out) == before, message  # byte-identical, and no partial file beside them
+
+
+def test_interrupted_preprocess_leaves_no_partial_files(tmp_path):
+    class Interrupting(ByteTokenizer):  # Ctrl-C arriving while the third document is tokenized
+        def __init__(self):
+            self.calls = 0
+
+        def encode(self, text):
+            self.calls += 1
+            if self.calls == 3:
+                raise KeyboardInterrupt
+            return super().encode(text)
+
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
+    out = tmp_path / "out"
+    preprocess([str(source)], str(out / "corpus"))
+    before = _snapshot(out)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess([str(source)], str(out / "corpus"), tokenizer=Interrupting())
+    assert _snapshot(out) == before
+    with pytest.raises(KeyboardInterrupt):
+        preprocess([str(source)], str(tmp_path / "new" / "corpus"), tokenizer=Interrupting())
+    assert list((tmp_path / "new").iterdir()) == []  # a first run leaves nothing behind either
 
 
 def test_bundled_corpus(tmp_path):

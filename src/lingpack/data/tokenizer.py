@@ -10,6 +10,8 @@ import os
 
 import numpy as np
 
+from lingpack.errors import ConfigError, MissingFileError
+
 BYTE_EOD_ID = 256
 BYTE_PAD_ID = 257
 BYTE_VOCAB_SIZE = 258
@@ -37,9 +39,12 @@ class JsonTokenizer:
         from tokenizers import Tokenizer
 
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: tokenizer file not found (give a local tokenizer.json)")
+            raise MissingFileError(f"{path}: tokenizer file not found (give a local tokenizer.json)")
         self.name = path
-        self._tokenizer = Tokenizer.from_file(path)
+        try:
+            self._tokenizer = Tokenizer.from_file(path)
+        except Exception as error:  # noqa: BLE001  tokenizers raises a bare Exception for any bad file
+            raise ConfigError(f"{path}: not a tokenizer.json that `tokenizers` can read ({error})") from None
         self.vocab_size = int(self._tokenizer.get_vocab_size(with_added_tokens=True))
         self.eod_id = self._token_id(eod_token, eod_id, "eod")
         self.pad_id = self._token_id(pad_token, None, "pad") if pad_token else -1
@@ -47,16 +52,16 @@ class JsonTokenizer:
     def _token_id(self, token: str | None, token_id: int | None, role: str) -> int:
         if token_id is not None:
             if not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"{self.name}: {role} id {token_id} outside [0, {self.vocab_size})")
+                raise ConfigError(f"{self.name}: {role} id {token_id} outside [0, {self.vocab_size})")
             return int(token_id)
         if token is None:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.name}: name the end-of-document token (e.g. --eod-token '<|endoftext|>') "
                 "or give its id (--eod-id)"
             )
         found = self._tokenizer.token_to_id(token)
         if found is None:
-            raise ValueError(f"{self.name}: {role} token {token!r} is not in the vocabulary")
+            raise ConfigError(f"{self.name}: {role} token {token!r} is not in the vocabulary")
         return int(found)
 
     def encode(self, text: str) -> np.ndarray:

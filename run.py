@@ -8,7 +8,8 @@
     python run.py -m hydra/launcher=slurm ...       # from a SLURM login node (see slurm_or_tpu_launch/)
 
 A config value, data file or device count that cannot run prints one line (`Error: <key and fix>`) and
-exits with status 1, like Hydra's own override errors; so does a launch problem (`run.py: ...`). Anything
+exits with status 1; so do Hydra's own errors (an unknown group option keeps Hydra's list of the valid ones)
+and a launch problem (`run.py: ...`). Anything
 else is a bug of ours: its full traceback, status 1.
 """
 
@@ -84,6 +85,27 @@ def main(cfg: DictConfig) -> float:
         raise SystemExit(1) from None
 
 
+def run_main() -> int:
+    """`main()`, with Hydra's own errors (an unknown group option, a bad override) as one line, status 1.
+
+    Hydra reports them itself, with its config-search-path listing; with HYDRA_FULL_ERROR=1 it raises them
+    instead, so they reach us. A user who set HYDRA_FULL_ERROR gets Hydra's full trace, as Hydra documents.
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    user_wants_trace = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as err:
+        if user_wants_trace:
+            raise
+        from lingpack.config import hydra_error_message
+        print(f"Error: {hydra_error_message(err)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
     sys.argv += launch_overrides(sys.argv[1:], os.environ)
-    main()
+    sys.exit(run_main())

@@ -388,7 +388,28 @@ def compose(overrides: list[str], *, run_dir: str, config_dir: str | None = None
         plain = _replace_run_dir(plain, run_dir)  # ${hydra:runtime.output_dir} exists only under run.py
         return OmegaConf.to_container(OmegaConf.create(plain), resolve=True)
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(" ".join(str(err).split())) from None
+        raise ConfigError(hydra_error_message(err)) from None
+
+
+def hydra_error_message(err: Exception) -> str:
+    """Hydra's composition error in one line: a missing group option keeps Hydra's list of the available ones
+    (and the nearest), without its config-search-path listing; any other error is Hydra's text, joined."""
+    import difflib
+    import re
+    text = str(err).split("\nConfig search path:")[0]
+    missing = re.search(r"Could not find '(?P<group>.+)/(?P<option>[^/']+)'", text)
+    options = re.search(r"Available options in '[^']*':\n(?P<list>(?:\t.*(?:\n|$))+)", text)
+    if not missing:
+        return " ".join(text.split())
+    group, option = missing["group"], missing["option"]
+    choices = options["list"].split() if options else []
+    parent = re.match(r"In '(?P<parent>[^']+)':", text)
+    where = f" (asked by {parent['parent']})" if parent and parent["parent"] != "config" else ""
+    if not choices:
+        return f"{group}={option}: no such option{where}, and the group {group!r} has none"
+    near = difflib.get_close_matches(option, choices, n=1)
+    hint = f"; did you mean {group}={near[0]}?" if near else ""
+    return f"{group}={option}: no such option{where}; choose one of {', '.join(choices)}{hint}"
 
 
 def _replace_run_dir(value, run_dir: str):

@@ -56,6 +56,9 @@ def test_bad_group_choice_lists_valid_options():
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         with pytest.raises(Exception, match="Available options"):
             compose(config_name="config", overrides=["kernel=fastest"])
+    with pytest.raises(config_lib.ConfigError) as err:   # as lingpack reports it: one line, the options kept
+        config_lib.compose(["kernel=fastest"], run_dir=str(CONF))
+    assert str(err.value) == ("kernel=fastest: no such option; choose one of " + ", ".join(options("kernel")))
 
 
 @pytest.mark.parametrize("override,message", [

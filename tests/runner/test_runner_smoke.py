@@ -149,6 +149,13 @@ def test_config_error_is_one_line(tmp_path, override, message):
     assert message in one_line_error(override.split(), tmp_path)
 
 
+def test_wrong_group_option_is_one_line_with_hydras_options(tmp_path):
+    """Hydra's own composition error, before JAX starts: its list of options, not its config search path."""
+    assert one_line_error(["model=ling3_tny"], tmp_path) == (
+        "Error: model=ling3_tny: no such option; choose one of ling3_flagship, ling3_small, ling3_tiny; did you "
+        "mean model=ling3_tiny?")
+
+
 def test_too_few_devices_is_one_line_naming_the_key(tmp_path):
     """parallel.cpu_devices gives the process its fake CPU devices before JAX starts (2 here, no count in
     XLA_FLAGS); a mesh that needs more is one line naming the key to set."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 
@@ -64,6 +65,20 @@ def test_sigterm_then_resume_is_bitwise_identical(tmp_path, straight):
     assert _losses(first.history + second.history) == _losses(straight.history)   # bitwise, same batches
     steps = Checkpointer(CheckpointConfig(directory=str(tmp_path / "ckpt"))).all_steps()
     assert steps == [4, 6]                                         # keep=2 of the saves at 2, 3, 4, 6
+
+
+def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, straight, caplog):
+    first = _train(tmp_path, train=dataclasses.replace(TRAIN, steps=4))           # saves steps 2 and 4
+    chunk = max((p for p in (tmp_path / "ckpt" / "4" / "state").rglob("*") if p.parent.name == "d"),
+                key=lambda p: p.stat().st_size)
+    chunk.unlink()                                                                  # one data file of step 4 lost
+    with caplog.at_level("WARNING"):
+        second = _train(tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "checkpoint step 4" in warnings[0] and "resuming from step 2" in warnings[0]
+    assert second.start_step == 2 and second.last_step == N
+    assert _losses(first.history[:2] + second.history) == _losses(straight.history)   # steps 3-4 redone exactly
+    assert (tmp_path / "ckpt.damaged" / "4" / "state").is_dir()                     # kept, beside the directory
 
 
 def _poison_iterator(monkeypatch, bad_step):

@@ -7,18 +7,26 @@ by default: Orbax copies the arrays to host memory before `save` returns (so the
 them) and writes in a background thread; `wait()` blocks until the write is durable. The newest
 `keep` checkpoints survive.
 
+Resume (`Checkpointer.resume`) restores the newest step that restores: a step that cannot be read back (a file
+deleted or truncated, its metadata gone) is named in one warning line, moved aside whole into
+`<directory>.damaged/<step>` (never deleted: Orbax's keep-N cleanup sees only `directory`, and the run can
+save that step number afresh) and the next older step is tried. `checkpoint.resume_step=N` restores exactly
+step N or stops with one line.
+
 On multi-host runs every host's iterator is at the same batch number, so the primary host's JSON
 stands for all (each host re-derives its own rows from it, see data/pipeline.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from lingpack.distributed import local_or_url
 from lingpack.errors import ConfigError
@@ -78,6 +86,71 @@ class Checkpointer:
                                                                       data=ocp.args.JsonRestore()))
         return TrainState(**restored["state"]), dict(restored["data"])
 
+    def resume(self, abstract_state: TrainState, shardings: TrainState,
+               resume_step: int | None = None) -> tuple[int, TrainState, dict] | None:
+        """(step, state, iterator state) of the newest step that restores, or of `resume_step`; None when the
+        directory holds no checkpoint. Damaged newer steps are set aside (see the module docstring)."""
+        steps = self.all_steps()
+        if resume_step is not None:
+            return resume_step, *self._restore_chosen(resume_step, steps, abstract_state, shardings)
+        damaged = []
+        for step in reversed(steps):
+            try:
+                with _orbax_quiet():
+                    state, data_state = self.restore(step, abstract_state, shardings)
+            except ConfigError:  # another model's checkpoint: the user's config, not damage
+                raise
+            except Exception as error:  # noqa: BLE001  whatever Orbax raises for a file it cannot read
+                damaged.append((step, _reason(error)))
+                continue
+            if damaged:
+                aside = [self._set_aside(s) for s, _ in damaged]
+                log.warning("checkpoint step %s in %s cannot be restored (%s): resuming from step %d, the newest "
+                            "intact one; the damaged step is kept in %s (move it back and set "
+                            "checkpoint.resume_step to retry it)", ", ".join(str(s) for s, _ in damaged),
+                            self.directory, damaged[0][1], step, ", ".join(aside))
+            return step, state, data_state
+        if damaged:
+            raise ConfigError(f"no checkpoint in {self.directory} can be restored (steps "
+                              f"{', '.join(str(s) for s, _ in damaged)}; step {damaged[0][0]}: {damaged[0][1]}); "
+                              "nothing was moved or deleted: move the directory away to train from step 0")
+        return None
+
+    def _restore_chosen(self, step: int, steps: list[int], abstract_state, shardings) -> tuple[TrainState, dict]:
+        if step not in steps:
+            raise ConfigError(f"checkpoint.resume_step={step}: no such step in {self.directory} (it holds "
+                              f"{steps or 'none'}); set one of them, or null for the newest intact one")
+        newer = [s for s in steps if s > step]
+        if newer:
+            raise ConfigError(f"checkpoint.resume_step={step}, but {self.directory} also holds the newer steps "
+                              f"{newer}, which training on from step {step} would save over: move them out of "
+                              "the directory first")
+        try:
+            with _orbax_quiet():
+                return self.restore(step, abstract_state, shardings)
+        except ConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            raise ConfigError(f"checkpoint.resume_step={step}: the checkpoint at step {step} in {self.directory} "
+                              f"cannot be restored ({_reason(error)}); choose another of {steps}") from None
+
+    def _set_aside(self, step: int) -> str:
+        """Move step `step`'s directory, untouched, out of Orbax's view into `<directory>.damaged/`."""
+        source = epath.Path(self.directory) / str(step)
+        target = source.parent.parent / f"{source.parent.name}.damaged" / str(step)
+        if jax.process_index() == 0:
+            suffix = 0
+            while target.exists():  # the same step damaged again: keep both
+                suffix += 1
+                target = target.parent / f"{step}.{suffix}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            source.rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"lingpack set aside checkpoint {step}")
+        self.manager.reload()
+        return str(target)
+
     def _check_shapes(self, step: int, params: dict) -> None:
         """ConfigError naming the parameters whose stored shapes differ from this run's model (Orbax's own
         error names neither the array nor the cause). Any shape may restore into any sharding."""
@@ -109,6 +182,29 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+@contextlib.contextmanager
+def _orbax_quiet():
+    """Orbax warns on its own (absl) about a step it cannot read; the one line about it is ours."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
+def _reason(error: BaseException) -> str:
+    """The innermost cause of an Orbax / TensorStore error, its first line cut short for a one-line message."""
+    seen = [error]
+    while (error.__cause__ or error.__context__) is not None and len(seen) < 20:
+        error = error.__cause__ or error.__context__
+        seen.append(error)
+    text = (str(error).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 class PreemptionGuard:

@@ -189,7 +189,9 @@ class ParallelConfig:
 class CheckpointConfig:
     """Orbax checkpointing: every `save_every` steps into `directory`, keeping the newest `keep`.
 
-    The latest checkpoint in `directory` is restored on start (resume); `enabled=False` turns both off.
+    The newest checkpoint in `directory` that restores is restored on start (resume; a damaged newer one is
+    set aside with a warning, train/checkpoint.py); `resume_step` restores that step or stops with one line;
+    `enabled=False` turns both off.
     """
 
     directory: str = "checkpoints"
@@ -197,10 +199,13 @@ class CheckpointConfig:
     keep: int = 3
     async_save: bool = True
     enabled: bool = True
+    resume_step: int | None = None
 
     def __post_init__(self):
         _at_least("CheckpointConfig", "save_every", self.save_every, 1)
         _at_least("CheckpointConfig", "keep", self.keep, 1)
+        if self.resume_step is not None:
+            _at_least("CheckpointConfig", "resume_step", self.resume_step, 1)
         if self.enabled and not self.directory:
             raise ValueError("CheckpointConfig.directory is empty; give a path or set enabled=False")
 

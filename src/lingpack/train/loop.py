@@ -3,7 +3,8 @@
     result = train(model_cfg, data_cfg, loss_cfg, optim_cfg, parallel_cfg, ckpt_cfg, train_cfg,
                    metrics_callback=None, on_start=None, routing_callback=None)
 
-On start the latest checkpoint in `ckpt_cfg.directory` is restored (state and data position), else the
+On start the newest intact checkpoint in `ckpt_cfg.directory` (or `ckpt_cfg.resume_step`) is restored
+(state and data position; train/checkpoint.py `Checkpointer.resume`), else the
 state is initialised directly in its shardings; `on_start(step)` then hears the step training continues
 from (0 or the restored one: a metrics writer drops its records past it). Each step reads one global
 batch (this host's rows), runs the jitted step and reports one metrics dict (names in METRIC_NAMES; `mfu`
@@ -167,9 +168,10 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     batch_sharding, B = shard_lib.batch_sharding(mesh, rules), data_cfg.global_batch_size
     iterator = make_iterator(data_cfg, split="train", rows=distributed.process_rows(batch_sharding, B))
     ckpt = Checkpointer(ckpt_cfg) if ckpt_cfg.enabled else None
-    latest = ckpt.latest_step() if ckpt else None
-    if latest is not None:
-        state, data_state = ckpt.restore(latest, abstract, shardings)
+    resumed = ckpt.resume(abstract, shardings, ckpt_cfg.resume_step) if ckpt else None
+    latest = resumed[0] if resumed else None
+    if resumed is not None:
+        state, data_state = resumed[1:]
         if data_state_on_resume is not None:
             data_state = data_state_on_resume(latest, data_state)
         iterator.set_state(data_state)

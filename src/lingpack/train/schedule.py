@@ -93,7 +93,7 @@ def train_with_schedule(schedule: ContextSchedule, model_cfg, data_cfg, loss_cfg
     total = schedule.ends[-1]
     optim_cfg = optim_lib.resolve(optim_cfg, total)   # one LR schedule over all stages
     checkpointer = Checkpointer(ckpt_cfg)
-    latest = checkpointer.latest_step() or 0
+    latest = ckpt_cfg.resume_step or checkpointer.latest_step() or 0
     checkpointer.close()
     results = []
     for i in range(schedule.stage_at(latest), len(schedule.stages)):

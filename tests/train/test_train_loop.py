@@ -6,6 +6,8 @@ import dataclasses
 import logging
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -79,6 +81,36 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, strai
     assert second.start_step == 2 and second.last_step == N
     assert _losses(first.history[:2] + second.history) == _losses(straight.history)   # steps 3-4 redone exactly
     assert (tmp_path / "ckpt.damaged" / "4" / "state").is_dir()                     # kept, beside the directory
+
+
+GUARDED = """
+import logging, sys, threading
+from lingpack.train.checkpoint import PreemptionGuard
+logging.basicConfig(stream=sys.stderr, format="%(message)s", force=True)
+with PreemptionGuard() as guard:
+    guard.step, guard.compiling, guard.saved = 7, True, lambda: "the checkpoint of step 6 is saved"
+    print("ready", flush=True)
+    blocked = threading.Lock()
+    blocked.acquire()
+    blocked.acquire()  # the main thread stuck in C (as in an XLA compile): Python's own handler cannot stop it
+"""
+
+
+def test_second_signal_exits_at_once_with_one_line(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", GUARDED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        assert child.stdout.readline() == "ready\n"
+        child.send_signal(signal.SIGINT)
+        first = child.stderr.readline()
+        assert first.startswith("received SIGINT: stopping after step 7 (it is still being compiled"), first
+        child.send_signal(signal.SIGINT)
+        rest = child.communicate(timeout=120)[1]
+    finally:
+        child.kill()
+    assert child.returncode == 128 + signal.SIGINT
+    assert [line for line in rest.splitlines() if line.strip()] == [
+        "second SIGINT: exiting now, without waiting for the step to finish; the checkpoint of step 6 is saved"]
 
 
 def _poison_iterator(monkeypatch, bad_step):

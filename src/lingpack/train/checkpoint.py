@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import socket
+import sys
 import threading
 
 import jax
@@ -210,9 +213,13 @@ def _reason(error: BaseException) -> str:
 class PreemptionGuard:
     """Context manager: SIGTERM / SIGINT set `triggered` instead of killing the process.
 
-    The loop checks `should_stop()` after each step, saves a checkpoint and returns. A second signal
-    while stopping restores the default behaviour (so a stuck save can still be interrupted). Handlers
-    are installed only in the main thread (Python's rule) and restored on exit.
+    The loop checks `should_stop()` after each step, saves a checkpoint and returns. Each signal is read at
+    once by a watcher thread (`signal.set_wakeup_fd`), even while the main thread is inside a compile that
+    Python cannot interrupt: the first is answered with one line saying when the run will stop (after the
+    step in `step` and its checkpoint); a second exits the process at once (status 128 + signal) with one line
+    saying what is saved (`saved()`, set by the loop) and what is not. Nothing is ever raised into the main
+    thread's code (a KeyboardInterrupt raised inside JAX's tracing printed its whole stack, once per press).
+    Handlers are installed only in the main thread (Python's rule) and restored on exit.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -220,22 +227,76 @@ class PreemptionGuard:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.triggered: int | None = None
+        self.signals = 0
+        self.step: int | None = None   # the step being run (1-based), kept current by the loop
+        self.compiling = False         # the loop's first step: compiled on its first call
+        self.saved = lambda: "nothing is saved"   # what a second signal's line says is on disk
         self._previous = {}
+        self._wakeup = None
 
-    def _handle(self, signum, frame):
-        if self.triggered is not None:  # second signal: give up on a clean stop
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-            raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name} while saving")
-        self.triggered = signum
-        log.warning("received %s: will save a checkpoint after this step and stop", signal.Signals(signum).name)
+    def _handle(self, signum, frame):  # the main thread, whenever Python next runs there: only a flag
+        if self.triggered is None:
+            self.triggered = signum
+
+    def _watch(self, reader) -> None:
+        while True:
+            try:
+                received = reader.recv(64)
+            except OSError:
+                return
+            if not received:  # closed by __exit__
+                return
+            for signum in received:  # one byte per signal: its number
+                if signum in self.SIGNALS:
+                    self._on_signal(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        self.signals += 1
+        if self.signals == 1:
+            if self.triggered is None:
+                self.triggered = signum
+            log.warning("received %s: %s", name, self._stop_plan())
+            return
+        line = f"second {name}: exiting now, without waiting for the step to finish; {self.saved()}"
+        try:
+            sys.stdout.flush()
+            sys.stderr.write(f"\n{line}\n")  # a new line: the progress bar may hold the current one
+            sys.stderr.flush()
+        finally:
+            os._exit(128 + signum)
+
+    def _stop_plan(self) -> str:
+        again = "press Ctrl-C again (or send a second signal) to exit at once without it"
+        if self.step is None:
+            return f"stopping before the first step; {again}"
+        compiling = " (it is still being compiled, which can take minutes)" if self.compiling else ""
+        return f"stopping after step {self.step}{compiling} and its checkpoint; {again}"
 
     def __enter__(self):
         if self.enabled:
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            try:
+                previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            except ValueError:  # not the main thread after all: the flag alone
+                reader.close()
+                writer.close()
+            else:
+                self._wakeup = (reader, writer, previous_fd)
+                threading.Thread(target=self._watch, args=(reader,), name="lingpack-signals", daemon=True).start()
         return self
 
     def __exit__(self, *exc):
+        if self._wakeup is not None:
+            reader, writer, previous_fd = self._wakeup
+            signal.set_wakeup_fd(previous_fd)
+            writer.close()
+            reader.shutdown(socket.SHUT_RDWR)
+            reader.close()
+            self._wakeup = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

@@ -213,7 +213,9 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
 
     try:
         with PreemptionGuard(train_cfg.handle_signals) as guard, _log_above(bar):
+            guard.saved = lambda: _saved_now(ckpt, last_saved, guard.step)
             for step in range(start, train_cfg.steps):
+                guard.step = step + 1
                 data_state = iterator.get_state()
                 try:
                     local = next(iterator)
@@ -227,9 +229,11 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 batch = distributed.global_batch(local, batch_sharding, B)
                 if step == start:  # multi-process: every process compiled before any runs a collective
                     distributed.compile_then_wait(step_fn, state, batch)
+                guard.compiling = step == start
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, batch)
                 metrics = jax.device_get(metrics)  # waits for the step
+                guard.compiling = False
                 if routing_callback is not None:
                     routing_callback(step + 1, metrics.pop("routing"))
                 metrics = {k: _scalar(v) for k, v in metrics.items()}
@@ -301,6 +305,22 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     final = {k: history[-1][k] for k in METRIC_NAMES if k in history[-1]} if history else {}
     last = history[-1]["step"] if history else start
     return TrainResult(final, history, start, last, preempted, skipped, saved, state, model_def, final_eval)
+
+
+def _saved_now(ckpt, last_saved: int | None, step: int | None) -> str:
+    """What is on disk right now, for the line a second signal prints before the process exits."""
+    if ckpt is None:
+        return "nothing is saved (checkpoint.enabled=false)"
+    if last_saved is None:
+        return f"nothing is saved: {ckpt.directory} holds no checkpoint of this run yet"
+    writing = ckpt.manager.is_saving_in_progress()
+    done = (f"the checkpoint of step {last_saved} in {ckpt.directory} is "
+            + ("still being written and is lost if incomplete (a rerun then resumes from the one before)"
+               if writing else "saved"))
+    lost = ""
+    if step is not None and step > last_saved:
+        lost = f"; step {step} is not" if step == last_saved + 1 else f"; steps {last_saved + 1}-{step} are not"
+    return done + lost
 
 
 def _final_evaluation(evaluators: dict, state, train_cfg: TrainConfig) -> dict:

@@ -35,6 +35,20 @@ def test_pallas_interpret_is_only_what_was_asked_or_the_cpu_default():
             ask(None)
 
 
+def test_interpret_mode_on_cpu_is_one_warning_per_kernel(monkeypatch, caplog):
+    monkeypatch.setattr(backend, "_WARNED", set())
+    with caplog.at_level("WARNING", logger="lingpack"):
+        for _ in range(3):  # every trace of the step asks again
+            assert backend.pallas_interpret(None, kernel="the K kernel", alternative="kernel=chunked") is True
+        backend.pallas_interpret(True, kernel="the J kernel", alternative="x")    # asked for: no warning
+        with backend.target("tpu"):
+            backend.pallas_interpret(None, kernel="the J kernel", alternative="x")  # the real kernel
+    assert [r.getMessage() for r in caplog.records] == [
+        "the K kernel has no CPU lowering: it runs in Pallas interpret mode, an op-by-op emulation meant for tests "
+        "and far slower than a kernel; on CPU use kernel=chunked (set kernel.interpret=true to emulate it without "
+        "this warning)"]
+
+
 def test_splash_traced_for_tpu_lowers_to_mosaic_not_interpret_mode():
     q = jnp.zeros((1, 256, 2, 128), jnp.float32)
     seg = jnp.ones((1, 256), jnp.int32)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 
 import jax
 
@@ -62,17 +63,21 @@ def current() -> str:
 
 
 LOWERINGS = {"tpu": "TPU (Mosaic)", "gpu": "GPU (Triton)"}   # the Pallas backend each native platform lowers through
+_WARNED: set = set()   # kernels already announced as emulated on CPU: one line per kernel and process
+log = logging.getLogger("lingpack")
 
 
 def pallas_interpret(requested: bool | None, *, kernel: str, alternative: str, native: str = "tpu",
-                     emulate: str | None = "set kernel.interpret=true to emulate it") -> bool:
+                     emulate: str | None = "set kernel.interpret=true to emulate it",
+                     cpu_alternative: str | None = None) -> bool:
     """Whether a Pallas kernel written for `native` ("tpu": Mosaic, "gpu": Triton) runs in interpret mode.
 
     `requested` is what the user or a test asked (`kernel.interpret`): True interprets anywhere, False
     lowers for `native` (on a CPU host: for export). None takes the platform's side: the real kernel on
-    `native`, interpret mode on CPU (tests), and on any other accelerator a ConfigError naming
-    `alternative` (and `emulate`, how to ask for emulation anyway): the kernel has no lowering there and
-    would only be emulated op by op.
+    `native`; on CPU interpret mode, with one warning per kernel and process that it is an op-by-op emulation
+    and that `cpu_alternative` (default `alternative`) is the CPU's kernel; on any other accelerator a
+    ConfigError naming `alternative` (and `emulate`, how to ask for emulation anyway): the kernel has no
+    lowering there and would only be emulated op by op.
     """
     if requested is not None:
         return bool(requested)
@@ -80,6 +85,12 @@ def pallas_interpret(requested: bool | None, *, kernel: str, alternative: str, n
     if platform == native:
         return False
     if platform == "cpu":
+        if kernel not in _WARNED:
+            _WARNED.add(kernel)
+            hint = f" ({emulate} without this warning)" if emulate else ""
+            log.warning("%s has no CPU lowering: it runs in Pallas interpret mode, an op-by-op emulation meant for "
+                        "tests and far slower than a kernel; on CPU use %s%s", kernel,
+                        cpu_alternative or alternative, hint)
         return True
     hint = f" (or {emulate}, for debugging only)" if emulate else ""
     raise ConfigError(f"{kernel} is a Pallas {LOWERINGS[native]} kernel and has no {platform.upper()} lowering; use "

@@ -65,6 +65,7 @@ def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     assert "[absl][INFO]" not in console and "| mfu" in console   # CPU: mfu against the measured matmul ceiling
     assert "mfu on CPU is approximate" in console
     assert console.count("step 1 | loss") == 1                      # one line per logged step
+    assert console.count("compiling the train step ...") == 1 and console.count("compiled the train step in") == 1
     assert console.count("kernel chunked (chunk 64, segment-native)") == 1
 
     with open(run_dir / "metrics.jsonl", "a") as handle:   # as if a later try was killed after logging step k+1

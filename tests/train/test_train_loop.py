@@ -154,9 +154,13 @@ def test_nan_halts_after_checkpoint(tmp_path, monkeypatch, straight):
     assert _losses(resumed.history) == _losses(straight.history[3:])
 
 
-def test_nan_skip_keeps_training(tmp_path, monkeypatch):
+def test_nan_skip_keeps_training(tmp_path, monkeypatch, caplog):
     _poison_iterator(monkeypatch, bad_step=2)
-    result = _train(tmp_path, ckpt=False, train=dataclasses.replace(TRAIN, nan_policy="skip", steps=3))
+    with caplog.at_level("INFO", logger="lingpack.train"):
+        result = _train(tmp_path, ckpt=False, train=dataclasses.replace(TRAIN, nan_policy="skip", steps=3))
+    compile_lines = [r.getMessage() for r in caplog.records if "compil" in r.getMessage()]
+    assert compile_lines[0] == "compiling the train step ..." and len(compile_lines) == 2   # once, with its time
+    assert compile_lines[1].startswith("compiled the train step in ") and compile_lines[1].endswith(" s")
     assert result.skipped_steps == 1 and [h["finite"] for h in result.history] == [1, 0, 1]
     assert np.isfinite(result.final_metrics["loss"])
 

@@ -227,9 +227,8 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 if context is not None and context.load_balance:  # once per batch, every array (parallel/)
                     local = reorder_batch(local, context.size)
                 batch = distributed.global_batch(local, batch_sharding, B)
-                if step == start:  # multi-process: every process compiled before any runs a collective
-                    distributed.compile_then_wait(step_fn, state, batch)
-                guard.compiling = step == start
+                if step == start:  # compiled here (its call then hits jit's cache), so the console says how long
+                    _compile_step(step_fn, state, batch, guard)
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, batch)
                 metrics = jax.device_get(metrics)  # waits for the step
@@ -305,6 +304,17 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
     final = {k: history[-1][k] for k in METRIC_NAMES if k in history[-1]} if history else {}
     last = history[-1]["step"] if history else start
     return TrainResult(final, history, start, last, preempted, skipped, saved, state, model_def, final_eval)
+
+
+def _compile_step(step_fn, state, batch, guard) -> None:
+    """Compile the step ahead of its first call, with one line before and one after (above the progress bar);
+    multi-process: every process compiled before any runs a collective."""
+    guard.compiling = True
+    log.info("compiling the train step ...")
+    t0 = time.perf_counter()
+    step_fn.lower(state, batch).compile()
+    log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
+    distributed.compile_then_wait(step_fn, state, batch)  # the barrier (compiled already: a cache hit)
 
 
 def _saved_now(ckpt, last_saved: int | None, step: int | None) -> str:

@@ -65,6 +65,7 @@ def triton_flash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: flo
     interpret = backend.pallas_interpret(
         interpret, kernel="pallas_triton attention", native="gpu",
         alternative="model.attention_impl=auto (splash on TPU)",
-        emulate="pass interpret=True to lingpack.kernels.attention.api.attention to emulate it")
+        emulate="pass interpret=True to lingpack.kernels.attention.api.attention to emulate it",
+        cpu_alternative="model.attention_impl=auto (flash on CPU)")
     return triton_on_mesh(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT=segment_ids_BT, scale=float(scale),
                           causal=bool(causal), interpret=bool(interpret))

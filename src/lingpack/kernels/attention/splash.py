@@ -64,6 +64,7 @@ def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, ca
                      block: int = 128, interpret: bool | None = None):
     interpret = backend.pallas_interpret(
         interpret, kernel="splash attention", alternative="model.attention_impl=auto (pallas_triton)",
-        emulate="pass interpret=True to lingpack.kernels.attention.api.attention to emulate it")
+        emulate="pass interpret=True to lingpack.kernels.attention.api.attention to emulate it",
+        cpu_alternative="model.attention_impl=auto (flash on CPU)")
     return splash_on_mesh(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT=segment_ids_BT, scale=float(scale),
                           causal=bool(causal), block=int(block), interpret=bool(interpret))

@@ -107,11 +107,17 @@ class Checkpointer:
                 damaged.append((step, _reason(error)))
                 continue
             if damaged:
-                aside = [self._set_aside(s) for s, _ in damaged]
+                names = ", ".join(str(s) for s, _ in damaged)
+                try:
+                    aside = [self._set_aside(s) for s, _ in damaged]
+                except OSError as error:  # e.g. a bucket without renames: nothing deleted, the user decides
+                    raise ConfigError(f"checkpoint step {names} in {self.directory} cannot be restored "
+                                      f"({damaged[0][1]}) nor moved aside ({error}); move it out of the directory "
+                                      f"to resume from step {step}, the newest intact one") from None
                 log.warning("checkpoint step %s in %s cannot be restored (%s): resuming from step %d, the newest "
-                            "intact one; the damaged step is kept in %s (move it back and set "
-                            "checkpoint.resume_step to retry it)", ", ".join(str(s) for s, _ in damaged),
-                            self.directory, damaged[0][1], step, ", ".join(aside))
+                            "intact one; the damaged %s kept in %s (move it back and set checkpoint.resume_step "
+                            "to retry it)", names, self.directory, damaged[0][1], step,
+                            "step is" if len(damaged) == 1 else "steps are", ", ".join(aside))
             return step, state, data_state
         if damaged:
             raise ConfigError(f"no checkpoint in {self.directory} can be restored (steps "

@@ -36,7 +36,13 @@ def printed(capsys, argv) -> tuple[dict, list[str], str]:
             current = flags.setdefault(word, [])
         else:
             current.append(word)
-    notes = [line for line in lines[start + len(body):] if line.startswith("#   ")]
+    notes = []   # one string per note (a note's continuation lines joined)
+    for line in lines[start + len(body) + 1:]:
+        if line.startswith("#   - "):
+            notes.append(line[6:])
+        else:
+            assert line.startswith("#     "), line
+            notes[-1] += " " + line[6:]
     return flags, notes, out
 
 
@@ -96,7 +102,7 @@ def test_every_printed_flag_is_one_of_megatron_lms(default_command):
 
 def test_default_config_prints_a_complete_command(capsys):
     flags, notes, out = printed(capsys, [])
-    assert out.splitlines()[4].startswith("torchrun --nproc-per-node 1 pretrain_gpt.py")
+    assert "\ntorchrun --nproc-per-node 1 pretrain_gpt.py \\\n" in out
     expected = {
         "--split": ["969,30,1"], "--seq-length": ["256"], "--micro-batch-size": ["8"], "--global-batch-size": ["8"],
         "--seed": ["1234"], "--vocab-size": ["258"], "--null-tokenizer-eod-id": ["256"],

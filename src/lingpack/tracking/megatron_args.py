@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
 from lingpack.errors import ConfigError
@@ -113,19 +114,27 @@ def _value(value) -> str:
     return shlex.quote(repr(value) if isinstance(value, float) else str(value))
 
 
+def _comment(text: str, first: str = "# ", rest: str = "# ") -> list[str]:
+    return textwrap.wrap(text, width=110, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
+
+
 def render(rc, cmd: Command, *, refs: dict[str, str]) -> str:
-    lines = [f"# Megatron-LM run of lingpack run {rc.name!r}",
-             f"# flags checked against Megatron-LM's parser at main ({refs.get('main', '?')}); run from a",
-             "# Megatron-LM checkout, data paths as the lingpack run gave them (relative to where it started).",
-             f"# {rc.loss.megatron_dp_size} data-parallel rank(s) (loss.megatron_dp_size); tensor/pipeline/context "
-             "parallelism is free to choose (the loss does not depend on it).",
-             f"{cmd.launch} \\"]
+    ranks = rc.loss.megatron_dp_size
+    lines = _comment(f"Megatron-LM run of lingpack run {rc.name!r}. Flags checked against Megatron-LM's parser at main "
+                     f"({refs.get('main', '?')}). Run from a Megatron-LM checkout; data paths as the lingpack run "
+                     f"gave them (relative to where it started). {ranks} data-parallel rank(s) "
+                     "(loss.megatron_dp_size); tensor, pipeline and context parallelism are free to choose (the loss "
+                     "does not depend on them).")
+    lines.append(f"{cmd.launch} \\")
     for i, (flag, value) in enumerate(cmd.flags):
         tail = "" if i == len(cmd.flags) - 1 else " \\"
         lines.append(f"    {flag}{'' if value is None else ' ' + _value(value)}{tail}")
     lines.append("# unmapped: what this command does not reproduce (Megatron-LM has no argument for it, or lingpack "
                  "cannot map it)")
-    lines += [f"#   {why}" for _, why in cmd.unmapped] or ["#   (nothing)"]
+    for _, why in cmd.unmapped:
+        lines += _comment(why, "#   - ", "#     ")
+    if not cmd.unmapped:
+        lines.append("#   (nothing)")
     return "\n".join(lines)
 
 

@@ -11,6 +11,8 @@ the note printed when this run's value is one Megatron-LM cannot reproduce. What
 - MoE routing (megatron/core/transformer/moe/moe_utils.py): sigmoid scores are renormalised over the top-k
   whenever top-k > 1; the expert bias moves by `rate * sign(mean load - load)` (lingpack re-centres it to
   mean 0 after, which shifts every expert's score equally and so routes the same).
+- RoPE (megatron/core/models/gpt/gpt_model.py) is computed from the sequence length, restarting per
+  document only in packed (THD, cu_seqlens) mode: position ids alone do not move it.
 - Initialisation (megatron/core/transformer/transformer_config.py): normal(0, init_method_std), output
   projections divided by sqrt(2 x num_layers).
 - Linear attention: Megatron-LM's experimental attention variants are Gated DeltaNet (main: gdn, gdn2, dsa;
@@ -95,6 +97,15 @@ def _samples_note(rc) -> str | None:
         return (f"data.num_samples={d.num_samples}: Megatron-LM builds its sample index for --train-iters x "
                 f"--global-batch-size = {t.steps * d.global_batch_size} samples, so its samples differ")
     return None
+
+
+def _positions_note(rc) -> str | None:
+    d = rc.data
+    if d.reset_position_ids == d.reset_attention_mask or rc.model.mla.rope_type == "none":
+        return None
+    return (f"data.reset_position_ids={d.reset_position_ids} with reset_attention_mask={d.reset_attention_mask}: "
+            "Megatron-LM's RoPE restarts per document exactly when it packs documents (cu_seqlens); its GPT model "
+            "takes rotary positions from the sequence length, not from position ids")
 
 
 def _eval_flags(rc) -> list:
@@ -245,7 +256,8 @@ RULES: dict[str, Rule] = {
     "data.eod_mask_loss": maps(lambda rc: _when(rc.data.eod_mask_loss, ("--eod-mask-loss", None))),
     "data.reset_attention_mask": maps(lambda rc: _when(rc.data.reset_attention_mask, ("--reset-attention-mask", None),
                                                        ("--dataloader-inter-document-masking", None))),
-    "data.reset_position_ids": maps(lambda rc: _when(rc.data.reset_position_ids, ("--reset-position-ids", None))),
+    "data.reset_position_ids": maps(lambda rc: _when(rc.data.reset_position_ids, ("--reset-position-ids", None)),
+                                    _positions_note),
     "data.cache_dir": maps(lambda rc: _when(rc.data.index_mode == "mmap_npy" and bool(rc.data.cache_dir),
                                             ("--data-cache-path", rc.data.cache_dir))),
     "data.index_mode": part_of("data.cache_dir"),

@@ -4,10 +4,12 @@ Oracles: Megatron-LM's own parser (the flags in megatron_arguments.txt, read off
 the run config's dataclasses (every field has a rule), and a run directory Hydra itself wrote.
 """
 import dataclasses
+import re
 import shlex
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +195,21 @@ def test_bad_input_is_one_line(capsys, argv, needle):
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], captured.err
+
+
+def test_a_config_megatron_can_express_leaves_only_the_initialisation(capsys):
+    """MLA layers only and normalised top-k weights: nothing but the initialisation is left unmapped."""
+    flags, notes, _ = printed(capsys, ["model.inhomogeneous_layer_cycle_interval=1", "model.moe.norm_topk_prob=true"])
+    assert len(notes) == 1 and notes[0].startswith("seed=0 (lingpack's initialisation)")
+    assert "--experimental-attention-variant" not in flags and "--linear-attention-freq" not in flags
+
+
+def test_running_md_shows_what_the_default_config_prints(capsys, monkeypatch):
+    """docs/running.md's default-config command is the current output (rerun it there when a rule changes)."""
+    root = Path(__file__).resolve().parents[2]
+    page = (root / "docs" / "running.md").read_text()
+    section = page.split("## The Megatron-LM command of a run", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", section, re.S)[1]
+    monkeypatch.chdir(root)
+    assert megatron_args.main([]) == 0
+    assert block == capsys.readouterr().out, "rerun `python -m lingpack.tracking.megatron_args` into docs/running.md"

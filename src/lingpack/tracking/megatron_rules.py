@@ -11,6 +11,8 @@ the note printed when this run's value is one Megatron-LM cannot reproduce. What
 - MoE routing (megatron/core/transformer/moe/moe_utils.py): sigmoid scores are renormalised over the top-k
   whenever top-k > 1; the expert bias moves by `rate * sign(mean load - load)` (lingpack re-centres it to
   mean 0 after, which shifts every expert's score equally and so routes the same).
+- MLA's RoPE (megatron/core/models/common/embeddings/rope_utils.py) rotates the first rotary_percent of the
+  rope dimensions as interleaved pairs, frequencies base^(-2i/rotary dim), as lingpack's rope_interleaved.
 - RoPE (megatron/core/models/gpt/gpt_model.py) is computed from the sequence length, restarting per
   document only in packed (THD, cu_seqlens) mode: position ids alone do not move it.
 - Initialisation (megatron/core/transformer/transformer_config.py): normal(0, init_method_std), output
@@ -163,7 +165,9 @@ def _mla_flags(rc) -> list:
     if a.rope_type == "rope":
         flags += [("--position-embedding-type", "rope"), ("--rope-type", "rope"),
                   ("--rotary-base", int(a.rope_theta)), ("--rotary-percent", a.partial_rotary_factor)]
-        flags += _when(a.rope_interleaved, ("--rotary-interleaved", None))
+        flags.append(("--no-rope-fusion", None))   # Megatron-LM's fused MLA RoPE is YaRN only (its config refuses it)
+        # Megatron-LM's MLA always rotates (x[2i], x[2i+1]) pairs (rope_utils.py de-interleaves, then rotates
+        # halves: the same q.k); its config refuses --rotary-interleaved with MLA
     return flags
 
 
@@ -171,6 +175,9 @@ def _rope_note(rc) -> str | None:
     a = rc.model.mla
     if a.rope_type == "none":
         return "model.mla.rope_type=none (NoPE MLA): Megatron-LM's MLA always rotates its qk_pos_emb dimensions"
+    if not a.rope_interleaved:
+        return ("model.mla.rope_interleaved=false: Megatron-LM's MLA always rotates interleaved pairs "
+                "(x[2i], x[2i+1]) and refuses --rotary-interleaved, its switch for the other layout")
     if a.rope_theta != int(a.rope_theta):
         return f"model.mla.rope_theta={a.rope_theta}: Megatron-LM's --rotary-base is an integer"
     return None

@@ -54,11 +54,11 @@ def test_quickstart_commands_in_process(tmp_path, monkeypatch, capsys):
     """Each command of the block as written: preprocess and stats run, the run's config builds on that data."""
     from lingpack import config as config_lib
     from lingpack.data import preprocess, stats
-    from lingpack.tracking import compare
+    from lingpack.tracking import compare, megatron_args
     commands = quickstart_commands()
     heads = [" ".join(shlex.split(c)[:3 if shlex.split(c)[1] == "-m" else 2]) for c in commands]
     assert heads == ["python -m lingpack.data.preprocess", "python -m lingpack.data.stats", "python run.py",
-                     "python -m lingpack.tracking.compare"]
+                     "python -m lingpack.tracking.megatron_args", "python -m lingpack.tracking.compare"]
     monkeypatch.chdir(checkout_view(tmp_path))
     assert preprocess.main(shlex.split(commands[0])[3:]) == 0
     assert stats.main(shlex.split(commands[1])[3:]) == 0
@@ -69,7 +69,11 @@ def test_quickstart_commands_in_process(tmp_path, monkeypatch, capsys):
                           run_dir)
     assert rc.data.paths == ("data/shakespeare",) and (rc.data.vocab_size, rc.data.eod_id) == (258, 256)
     assert rc.data.num_samples == rc.train.steps * rc.data.global_batch_size
-    compare_args = compare.build_parser().parse_args(shlex.split(commands[3])[3:])
+    megatron_words = shlex.split(commands[3])[3:]
+    assert megatron_words[-2] == ">" and megatron_words[:-2] == [w for w in words if not w.startswith("hydra.")]
+    assert megatron_args.main(megatron_words[:-2]) == 0   # the command of the run above, printed
+    assert "    --data-path data/shakespeare \\\n" in capsys.readouterr().out
+    compare_args = compare.build_parser().parse_args(shlex.split(commands[4])[3:])
     assert compare_args.run == run_dir
 
 

@@ -104,13 +104,18 @@ def shards(table: list[Entry], max_shard_bytes: int) -> list[list[Entry]]:
     return files + ([current] if current else [])
 
 
+def _part(tree: dict, part: str):
+    """The key of `tree` spelling `part` (a pure dict may key a list index as int, a checkpoint as string)."""
+    return int(part) if part not in tree and part.isdigit() and int(part) in tree else part
+
+
 def get_path(tree: dict, key: LeafKey):
     for part in key:
-        tree = tree[part]
+        tree = tree[_part(tree, part)]
     return tree
 
 
 def set_path(tree: dict, key: LeafKey, value) -> None:
     for part in key[:-1]:
-        tree = tree.setdefault(part, {})
-    tree[key[-1]] = value
+        tree = tree.setdefault(_part(tree, part), {})
+    tree[_part(tree, key[-1])] = value

@@ -18,7 +18,8 @@ import pytest
 from flax import nnx
 
 from lingpack.errors import ConfigError
-from lingpack.export import export_weights, importer, load_checkpoint_model, weights
+from lingpack.export import importer, weights
+from lingpack.export.runs import export_weights, load_checkpoint_model
 from lingpack.train.checkpoint import Checkpointer
 from lingpack.train.configs import CheckpointConfig
 from lingpack.train.step import TrainState, split_model

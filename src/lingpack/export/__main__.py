@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
-    from lingpack.export import export_run
+    from lingpack.export.runs import export_run
     try:
         done = export_run(args.run, args.out, step=args.step, mtp=not args.no_mtp,
                           max_shard_bytes=parse_size(args.max_shard_size))

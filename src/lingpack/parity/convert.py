@@ -166,6 +166,13 @@ def _layer_pairs(cfg: Ling3Config, parts: dict, mixer: str, ffn: str, hf: str):
             yield [mlp("shared_experts", name, "kernel")], hf_mlp + "shared_experts." + name + ".weight", T
 
 
+def tensor_sources(model: Ling3, mtp: bool = False):
+    """(transformers name, [(variable, stack index)], to_hf(*arrays), from_hf(array, shapes) -> arrays) for every
+    tensor of `model` (an abstract one from `nnx.eval_shape` will do: nothing is read)."""
+    for paths, name, fn in _pairs(model, mtp):
+        yield name, [_variable(p) for p in paths], fn, lambda array, shapes, name=name: _split(array, name, shapes)
+
+
 def _variable(where):
     """(variable, stack index) for a (module, attribute path, stack index) triple."""
     node, path, index = where
@@ -266,6 +273,14 @@ def _rope_order(cfg: MLAConfig) -> np.ndarray:
     return np.concatenate([first, second])
 
 
+def deepseek_v3_rows(cfg: MLAConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(q rows, kv_a rows): DeepSeek-V3's output row j of the q projection / kv_a_proj_with_mqa is lingpack's
+    row rows[j] (the rope features of each head and of the shared key in `_rope_order`)."""
+    H, nope, order = cfg.num_heads, cfg.qk_nope_head_dim, _rope_order(cfg)
+    q_rows = np.concatenate([h * cfg.qk_head_dim + np.concatenate([np.arange(nope), nope + order]) for h in range(H)])
+    return q_rows, np.concatenate([np.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + order])
+
+
 def mla_to_deepseek_v3(mla, index: tuple = ()) -> dict[str, np.ndarray]:
     """fp32 (float64 for float64 weights) numpy state dict of a DeepseekV3Attention (its own parameter names)
     computing lingpack's `mla` (`index`: the layer's slice of a scanned stack, `Ling3.layer_parts`).
@@ -273,12 +288,9 @@ def mla_to_deepseek_v3(mla, index: tuple = ()) -> dict[str, np.ndarray]:
     Linear kernels `[in, out]` become weights `[out, in]`; the rope rows of q (per head) and of the shared
     key are put in DeepSeek-V3's order (`_rope_order`), which permutes q and k alike: scores are unchanged."""
     cfg = mla.cfg
-    H, nope, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     value = lambda module: _as_numpy(module.kernel[...][index])
     norm = lambda module: _as_numpy(module.weight[...][index])
-    order = _rope_order(cfg)
-    q_rows = np.concatenate([h * cfg.qk_head_dim + np.concatenate([np.arange(nope), nope + order]) for h in range(H)])
-    kv_a_rows = np.concatenate([np.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + order])
+    q_rows, kv_a_rows = deepseek_v3_rows(cfg)
     sd = {"kv_a_proj_with_mqa.weight": T(value(mla.kv_a_proj_with_mqa))[kv_a_rows],
           "kv_a_layernorm.weight": norm(mla.kv_a_layernorm),
           "kv_b_proj.weight": T(value(mla.kv_b_proj)), "o_proj.weight": T(value(mla.o_proj))}

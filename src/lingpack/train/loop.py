@@ -176,8 +176,13 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
             data_state = data_state_on_resume(latest, data_state)
         iterator.set_state(data_state)
         log.info("resumed from step %d (%s)", latest, ckpt.directory)
+        if getattr(model_cfg, "init_from", None):
+            log.info("model.init_from=%s not read: the run resumes from its own checkpoint", model_cfg.init_from)
     else:
         state = jax.jit(init, out_shardings=shardings)()
+        if getattr(model_cfg, "init_from", None):   # a transformers directory (export/importer.py)
+            from lingpack.export.importer import initial_state
+            state = initial_state(state, shardings, model_cfg, model_cfg.init_from)
     start = int(jax.device_get(state.step))
     if on_start is not None:
         on_start(start)

@@ -38,6 +38,7 @@ def renderers() -> dict:
     from experiments.expert_parallel import bench as ep_bench
     from experiments.loss_parity import run_parity
     from experiments.make_run import run_default
+    from experiments.mosaic_compile import compile_kernels
     from experiments.pallas_cost import cost_model
     from experiments.phantom_overhead import sweep
     from experiments.plan import flagship as plan_flagship
@@ -54,6 +55,7 @@ def renderers() -> dict:
     ring_kinds = "experiments/context_parallel/results/ring_memory.json"
     expert = "experiments/expert_parallel/results/results.json"
     fill = "experiments/whole_document_packing/results/fill.json"
+    mosaic = "experiments/mosaic_compile/results/mosaic_compile.json"
     return {
         "make_run": ("experiments/make_run/results/summary.json", run_default,
                      lambda: run_default.table(_load("experiments/make_run/results/summary.json"))),
@@ -75,6 +77,8 @@ def renderers() -> dict:
         "ring_memory": (ring_kinds, ring_memory, lambda: ring_memory.table(_load(ring_kinds))),
         "expert_parallel": (expert, ep_bench, lambda: ep_bench.table(_load(expert))),
         "whole_document_packing": (fill, packing_fill, lambda: packing_fill.table(_load(fill))),
+        "mosaic_compile": (mosaic, compile_kernels, lambda: compile_kernels.table(_load(mosaic))),
+        "kda_roofline": (mosaic, compile_kernels, lambda: compile_kernels.roofline_table(_load(mosaic))),
     }
 
 

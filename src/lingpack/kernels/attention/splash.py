@@ -9,6 +9,10 @@ On a sharded mesh the kernel runs per shard (`kernels/shard.py`: rows over `data
 over `tensor`; XLA cannot partition a Mosaic call), so each shard builds its multi-head mask for its
 local head count. Under context parallelism MLA does not call it (parallel/context.py runs the row's
 attention instead).
+
+JAX's splash kernels declare no `pl.CostEstimate` (XLA:TPU's cost analysis counts them as zero FLOPs);
+`cost_estimates` is lingpack's, analytic from the tiles the static causal mask leaves computed, for each of
+the three kernels a training step runs (forward, dq, dkv), keyed by the kernels' names.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
@@ -36,6 +41,35 @@ def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: b
     with jax.ensure_compile_time_eval():  # mask metadata must be concrete: the kernel is cached across traces
         return splash_kernel.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
                                              interpret=interpret)
+
+
+def computed_tiles(seq_len: int, block: int, causal: bool) -> int:
+    """block x block tiles of one head that the kernels compute: the static mask's nonzero tiles (segment ids
+    mask inside a tile, they skip none)."""
+    n = -(-seq_len // block)
+    return n * (n + 1) // 2 if causal else n * n
+
+
+LANES = 128   # the forward's logsumexp residual is stored lane-broadcast, [T, 128] fp32
+
+
+def cost_estimates(B: int, H: int, T: int, K: int, V: int, *, block: int, causal: bool = True,
+                   itemsize: int = 2) -> dict[str, pl.CostEstimate]:
+    """{kernel name prefix: cost} of the forward, dq and dkv kernels at [B, T, H, K] (v: V), T padded to `block`.
+
+    Per computed tile: forward s = q k^T and o += p v (2 b^2 (K + V)); dq recomputes s, forms dp = do v^T and
+    dq = ds k (2 b^2 (2K + V)); dkv recomputes s, dv = p^T do, dp, dk = ds^T q (2 b^2 (2K + 2V)); one exp per
+    score in each. Bytes: the operand tiles each kernel streams per computed tile, the resident ones once."""
+    t_pad = -(-T // block) * block
+    pairs = B * H * computed_tiles(t_pad, block, causal) * block * block   # scores computed
+    streamed = B * H * computed_tiles(t_pad, block, causal) * block * itemsize   # bytes per unit width per tile
+    once = B * H * t_pad * itemsize                                            # bytes per unit width, whole T
+    lse = B * H * t_pad * LANES * 4
+    cost = lambda flops, nbytes: pl.CostEstimate(flops=int(flops), transcendentals=int(pairs),
+                                                 bytes_accessed=int(nbytes))
+    return {"splash_mha_fwd": cost(2 * pairs * (K + V), once * (K + V) + streamed * (K + V) + lse),
+            "splash_mha_dq": cost(2 * pairs * (2 * K + V), once * (2 * K + V) + streamed * (K + V) + lse),
+            "splash_mha_dkv": cost(2 * pairs * (2 * K + 2 * V), once * 2 * (K + V) + streamed * (K + V) + lse)}
 
 
 def splash_local(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool, block: int,

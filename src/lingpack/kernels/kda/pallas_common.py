@@ -250,9 +250,9 @@ def jaxpr_cost(jaxpr) -> dict:
     return cost
 
 
-@functools.lru_cache(maxsize=None)
-def step_cost(kind: str, C: int, K: int, V: int, safe_gate: bool, masked: bool, fusion: chunk.Fusion) -> dict:
-    """Cost of one chunk of one head in a `kind` (forward, states, backward) kernel, from the traced chunk math."""
+def step_function(kind: str, C: int, K: int, V: int, safe_gate: bool, masked: bool, fusion: chunk.Fusion):
+    """(the chunk math of one head-chunk of a `kind` (forward, states, backward) kernel, its fp32 argument
+    shapes): what `step_cost` counts, and what a test compiles with XLA to count it independently."""
     t = lambda *shape: jax.ShapeDtypeStruct(shape, f32)
 
     def step(q, k, v, g, beta_row, S, dO, dS, gate_params, ids_row, prev_last, X):
@@ -264,8 +264,15 @@ def step_cost(kind: str, C: int, K: int, V: int, safe_gate: bool, masked: bool, 
             return chunk.chunk_forward(qn, kn, v, g, beta_row, S, masks, safe_gate, fusion.bulk, inverse=X)[1]
         grads = chunk.chunk_backward(qn, kn, v, g, beta_row, S, dO, dS, masks, safe_gate, fusion.bulk, inverse=X)
         return chunk.prologue_backward(qn, kn, grads[0], grads[1], grads[3], gate_params, saved, fusion), grads
-    jaxpr = jax.make_jaxpr(step)(t(C, K), t(C, K), t(C, V), t(C, K), t(1, C), t(K, V), t(C, V), t(K, V), t(2, K),
-                                 t(1, C), t(1, 1), t(C, C))
+    return step, (t(C, K), t(C, K), t(C, V), t(C, K), t(1, C), t(K, V), t(C, V), t(K, V), t(2, K), t(1, C), t(1, 1),
+                  t(C, C))
+
+
+@functools.lru_cache(maxsize=None)
+def step_cost(kind: str, C: int, K: int, V: int, safe_gate: bool, masked: bool, fusion: chunk.Fusion) -> dict:
+    """Cost of one chunk of one head in a `kind` (forward, states, backward) kernel, from the traced chunk math."""
+    step, args = step_function(kind, C, K, V, safe_gate, masked, fusion)
+    jaxpr = jax.make_jaxpr(step)(*args)
     return jaxpr_cost(pe.dce_jaxpr(jaxpr.jaxpr, [True] * len(jaxpr.out_avals))[0])   # what is computed for the outputs
 
 

@@ -1,21 +1,16 @@
-"""VMEM, per-step work and matmul precision of the Pallas KDA kernels, read from the traced `pallas_call`s
-(tracing only: no TPU, no compile).
-
-Each kernel's VMEM is what its pipeline holds: every in/out block double-buffered plus the [K, V] fp32
-state scratch. Per-chunk tables are fetched 8 chunks per block, so neither VMEM nor the kernel body's
-work grows with T.
+"""Matmul precision, block shapes and per-step work of the Pallas KDA kernels, read from the traced
+`pallas_call`s (tracing only: no TPU, no compile). Whether those blocks fit each TPU generation's VMEM is
+Mosaic's to say: tests/kernels/test_mosaic_compile.py compiles them.
 """
 import math
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.pallas import core as pallas_core
 
 from lingpack.kernels.kda import api, pallas_common
 
 H, K, V, C = 4, 128, 128, 64
-MIB = 2**20
 
 
 def kernel_eqns(impl, T, dtype=jnp.bfloat16, grad=True, **kw):
@@ -33,27 +28,18 @@ def kernel_eqns(impl, T, dtype=jnp.bfloat16, grad=True, **kw):
 
 
 def traced_kernels(impl, T):
-    """{kernel name: (pipeline VMEM bytes, vmem_limit_bytes, per-step cost)} of forward + gradient at [1, T]."""
-    out = {}
-    for eqn in kernel_eqns(impl, T):
-        blocks = [(pallas_core._get_block_shape(bm.block_shape), bm.array_aval.dtype)
-                  for bm in eqn.params["grid_mapping"].block_mappings]
-        vmem = 2 * sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in blocks) + K * V * 4
-        limit = eqn.params["compiler_params"].vmem_limit_bytes
-        out[eqn.params["name"]] = (vmem, limit, pallas_common.jaxpr_cost(eqn.params["jaxpr"]))
-    return out
+    """{kernel name: (its blocks, vmem_limit_bytes, per-step cost)} of forward + gradient at [1, T]."""
+    return {eqn.params["name"]: ([(bm.block_shape, bm.array_aval.dtype) for bm in eqn.params["grid_mapping"].block_mappings],
+                                 eqn.params["compiler_params"].vmem_limit_bytes,
+                                 pallas_common.jaxpr_cost(eqn.params["jaxpr"]))
+            for eqn in kernel_eqns(impl, T)}
 
 
 @pytest.mark.parametrize("impl", ["pallas_segment", "pallas_varlen"])
-def test_vmem_budget_under_16_mib_and_per_step_work_constant_up_to_1m_tokens(impl):
-    by_T = {T: traced_kernels(impl, T) for T in (8192, 1 << 20)}
-    for T, kernels in by_T.items():
-        assert len(kernels) == 3, kernels.keys()    # fwd, states, bwd
-        for name, (vmem, limit, cost) in kernels.items():
-            budget = pallas_common.vmem_budget([], [], C, K, V) + vmem   # the pipeline + the chunk math's temporaries
-            assert budget < 16 * MIB, f"{name} at T={T}: {budget / MIB:.1f} MiB"
-            assert limit >= budget, f"{name}: vmem_limit_bytes {limit} below the budget {budget}"
-            assert (vmem, limit, cost) == by_T[8192][name], f"{name}: VMEM or per-step work grows with T={T}"
+def test_blocks_and_per_step_work_constant_up_to_1m_tokens(impl):
+    """Per-chunk tables are fetched 8 chunks per block: neither the blocks nor a step's work grow with T."""
+    short, long = traced_kernels(impl, 8192), traced_kernels(impl, 1 << 20)
+    assert len(short) == 3 and short == long, (short.keys(), long.keys())
 
 
 def dot_precisions(eqn) -> list:

@@ -16,16 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # another valid value for keys whose type alone does not give one (strings, nulls, constrained numbers)
 ALTERNATIVES = {
     "name": "other", "train.nan_policy": "skip", "train.overflow_policy": "halt",
-    "checkpoint.directory": "elsewhere/checkpoints", "distributed.initialize": False,
+    "checkpoint.directory": "{run_dir}/elsewhere", "distributed.initialize": False,
     "distributed.coordinator_address": "127.0.0.1:1234", "distributed.num_processes": 1,
-    "distributed.process_id": 0, "distributed.compilation_cache_dir": "cache",
+    "distributed.process_id": 0, "distributed.compilation_cache_dir": "{run_dir}/compilation_cache",
     "parity.megatron_log": "megatron.log", "parity.reference_dtype": "float64", "model.vocab_size": 512,
     "model.dtype": "bfloat16", "model.param_dtype": "bfloat16", "model.attention_impl": "flash",
     "model.remat_policy": "dots_saveable", "model.kda.lower_bound": -2.0, "model.kda.gate_activation": "silu",
     "model.mla.rope_type": "none", "model.moe.num_experts": 6, "model.moe.top_k": 1, "model.moe.n_groups": 1,
     "kernel.name": "reference", "kernel.max_segs": 8, "kernel.chunk_size": 32, "kernel.interpret": False,
     "data.source": "synthetic", "data.paths": ["bundled:scene"], "data.split": "900,50,50",
-    "data.cache_dir": "other_cache", "data.index_mode": "mmap_npy", "data.num_samples": 1000,
+    "data.cache_dir": "{run_dir}/data_cache", "data.index_mode": "mmap_npy", "data.num_samples": 1000,
     "data.packing": "whole_documents", "loss.mode": "per_token", "optim.decay_steps": 100,
     "optim.schedule": "linear", "optim.b1": 0.8, "optim.b2": 0.9, "optim.master_dtype": "bfloat16",
     "parallel.cpu_devices": 2, "logger.kind": "none", "logger.mode": "online", "logger.project": "other",
@@ -33,9 +33,10 @@ ALTERNATIVES = {
 }
 
 
-def _other(key: str, value):
-    if key in ALTERNATIVES:
-        return ALTERNATIVES[key]
+def _other(key: str, value, run_dir: str):
+    if key in ALTERNATIVES:   # paths under the test's own directory: building may create them
+        other = ALTERNATIVES[key]
+        return other.format(run_dir=run_dir) if isinstance(other, str) else other
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
@@ -69,7 +70,7 @@ def test_every_key_of_the_default_config_changes_the_resolved_config(default):
         node = changed
         for part in path[:-1]:
             node = node[part]
-        node[path[-1]] = _other(key, value)
+        node[path[-1]] = _other(key, value, run_dir)
         try:
             if config_lib.build(changed, run_dir, open_data=False) == base:
                 inert.append(key)

@@ -36,6 +36,7 @@ test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile
 
 test-all: $(TEST_STAMP)
+	$(PY) -m experiments.check_results --rerun-cheap --write
 	$(PY) -m pytest -n 2 --dist loadfile -m ""
 
 bench: $(TEST_STAMP)

@@ -1,13 +1,16 @@
-"""Every results block in the docs is what its benchmark's renderer makes of its committed JSON artifact.
+"""Every results block in the docs is what its benchmark's renderer makes of its committed JSON artifact,
+and says so when the code it measured has changed since.
 
-    python -m experiments.check_results [--write]          (`make check-results`)
+    python -m experiments.check_results [--write] [--rerun-cheap] [--fail-stale]   (`make check-results`)
 
-A block sits in README.md, docs/*.md or experiments/*/README.md between `<!-- results: NAME -->` and
-`<!-- /results -->`. Each NAME has one artifact and one renderer (a function of the script that writes the
-artifact); the check fails when a block differs from the rendering, when a block names no known artifact,
-when an artifact is missing or appears in no block of docs/benchmarks.md, or when an artifact contradicts
-itself (bench_kda's speed-ups must be its own timings' ratios; every loss-parity row must match its run's
-summary.json and every variant of run_parity.py must have a row). `--write` rewrites every block.
+The blocks, their artifacts, renderers and code paths are registered in `experiments/blocks.py`. The check
+fails when a block differs from the rendering, when a block names no known artifact, when an artifact is
+missing or appears in no block of docs/benchmarks.md, when an artifact contradicts itself (bench_kda's
+speed-ups must be its own timings' ratios; every loss-parity row must match its run's summary.json and every
+variant of run_parity.py must have a row), or when a block's "stale since <commit>" line does not match the
+git history (a commit after the measured one changed its code). It lists every stale block. `--write`
+rewrites every block (staleness lines included), `--rerun-cheap` first remeasures the stale blocks cheap
+enough to rerun here (make_run; `make test-all` does), `--fail-stale` makes a stale block a failure.
 """
 
 from __future__ import annotations
@@ -15,71 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
-PAGES = ["README.md", "docs/*.md", "experiments/*/README.md"]
+from experiments import blocks
+
+ROOT = blocks.ROOT
+BLOCK = blocks.BLOCK
 INDEX = "docs/benchmarks.md"   # holds every block
-
-
-def _load(path: str):
-    return json.loads((ROOT / path).read_text())
+_load = blocks.load
 
 
 def renderers() -> dict:
-    """Block name -> (artifact, the script that writes it, a function of nothing that renders the block)."""
-    from experiments.bench_kda import bench as bench_kda
-    from experiments.bench_train import bench as bench_train
-    from experiments.context_parallel import attribution as cp_attribution, bench as cp_bench, context_schedule
-    from experiments.context_parallel import model_memory, ring_memory
-    from experiments.expert_parallel import bench as ep_bench
-    from experiments.loss_parity import run_parity
-    from experiments.make_run import run_default
-    from experiments.mosaic_compile import compile_kernels
-    from experiments.pallas_cost import cost_model
-    from experiments.phantom_overhead import sweep
-    from experiments.plan import flagship as plan_flagship
-    from experiments.whole_document_packing import fill as packing_fill
-
-    def cp_table():
-        result = _load("experiments/context_parallel/results/results.json")
-        return cp_bench.table(result["memory"], result["balance"], result.get("commit", "-"))
-    pallas = "experiments/pallas_cost/results/results.json"
-    memory = "experiments/context_parallel/results/model_memory.json"
-    schedule = "experiments/context_parallel/results/context_schedule.json"
-    plans = "experiments/plan/results/flagship.json"
-    attribution = "experiments/context_parallel/results/attribution.json"
-    ring_kinds = "experiments/context_parallel/results/ring_memory.json"
-    expert = "experiments/expert_parallel/results/results.json"
-    fill = "experiments/whole_document_packing/results/fill.json"
-    mosaic = "experiments/mosaic_compile/results/mosaic_compile.json"
-    return {
-        "make_run": ("experiments/make_run/results/summary.json", run_default,
-                     lambda: run_default.table(_load("experiments/make_run/results/summary.json"))),
-        "bench_kda": ("experiments/bench_kda/results/bench_kda.json", bench_kda,
-                      lambda: bench_kda.table(_load("experiments/bench_kda/results/bench_kda.json"))),
-        "bench_train": ("experiments/bench_train/results/bench_train.json", bench_train,
-                        lambda: bench_train.table(_load("experiments/bench_train/results/bench_train.json"))),
-        "pallas_cost": (pallas, cost_model, lambda: cost_model.summary(_load(pallas))),
-        "pallas_cost_detail": (pallas, cost_model, lambda: cost_model.markdown(_load(pallas))),
-        "phantom_overhead": ("experiments/phantom_overhead/results/results.json", sweep,
-                             lambda: sweep.table(_load("experiments/phantom_overhead/results/results.json"))),
-        "loss_parity": ("experiments/loss_parity/results/results.json", run_parity,
-                        lambda: run_parity.table(_load("experiments/loss_parity/results/results.json"))),
-        "context_parallel": ("experiments/context_parallel/results/results.json", cp_bench, cp_table),
-        "context_parallel_model": (memory, model_memory, lambda: model_memory.table(_load(memory))),
-        "context_schedule": (schedule, context_schedule, lambda: context_schedule.table(_load(schedule))),
-        "plan_flagship": (plans, plan_flagship, lambda: plan_flagship.table(_load(plans))),
-        "cp_attribution": (attribution, cp_attribution, lambda: cp_attribution.table(_load(attribution))),
-        "ring_memory": (ring_kinds, ring_memory, lambda: ring_memory.table(_load(ring_kinds))),
-        "expert_parallel": (expert, ep_bench, lambda: ep_bench.table(_load(expert))),
-        "whole_document_packing": (fill, packing_fill, lambda: packing_fill.table(_load(fill))),
-        "mosaic_compile": (mosaic, compile_kernels, lambda: compile_kernels.table(_load(mosaic))),
-        "kda_roofline": (mosaic, compile_kernels, lambda: compile_kernels.roofline_table(_load(mosaic))),
-    }
+    """Block name -> (artifact, the command that writes it, a function of nothing that renders its table)."""
+    return {name: (b.artifact, b.rerun, lambda name=name: blocks.table(name)) for name, b in blocks.BLOCKS.items()}
 
 
 def _bench_kda_problems() -> list[str]:
@@ -107,47 +58,82 @@ def _loss_parity_problems() -> list[str]:
     return problems
 
 
-def read_pages() -> dict[str, str]:
-    return {str(p.relative_to(ROOT)): p.read_text() for pattern in PAGES for p in sorted(ROOT.glob(pattern))}
+read_pages = blocks.read_pages
+write = blocks.write
 
 
-def problems(pages: dict[str, str]) -> list[str]:
-    known, out, rendered = renderers(), [], {}
-    for name, (artifact, script, render) in known.items():
-        if not (ROOT / artifact).exists():
-            out.append(f"{artifact} is missing: run python -m {script.__name__}")
+def stale_report() -> dict:
+    """Block name -> its Staleness (one git log per recorded commit)."""
+    return {name: blocks.block_staleness(name) for name, b in blocks.BLOCKS.items() if (ROOT / b.artifact).exists()}
+
+
+def problems(pages: dict[str, str], stale: dict | None = None) -> list[str]:
+    """What fails the check. A stale block must say so (its staleness line); without a git history the line is
+    not checked."""
+    known, out, rendered = blocks.BLOCKS, [], {}
+    stale = stale_report() if stale is None else stale
+    for name, block in known.items():
+        if not (ROOT / block.artifact).exists():
+            out.append(f"{block.artifact} is missing: run {block.rerun}")
         else:
-            rendered[name] = render()
+            rendered[name] = blocks.table(name)
     for page, text in pages.items():
         for m in BLOCK.finditer(text):
             name, body = m.group(2), m.group(3)
             if name not in known:
                 out.append(f"{page} has a results block {name!r} that no artifact renders")
-            elif name in rendered and body != rendered[name]:
-                artifact, script, _ = known[name]
-                out.append(f"{page}'s {name!r} block differs from what {script.__name__} renders of {artifact};"
-                           " python -m experiments.check_results --write rewrites it")
+                continue
+            if name not in rendered:
+                continue
+            table, line = blocks.MARK.sub("", body), blocks.MARK.match(body)
+            if table != rendered[name]:
+                out.append(f"{page}'s {name!r} block differs from what {known[name].renderer} renders of "
+                           f"{known[name].artifact}; python -m experiments.check_results --write rewrites it")
+            elif name in stale and stale[name].unknown is None and (line.group(0) if line else "") != blocks.mark(
+                    name, stale[name]):
+                out.append(f"{page}'s {name!r} block " + (f"is stale since {stale[name].since} and does not say so"
+                                                          if stale[name].since else "says it is stale but is not")
+                           + "; python -m experiments.check_results --write marks it")
     indexed = {m.group(2) for m in BLOCK.finditer(pages.get(INDEX, ""))}
     out += [f"{INDEX} lacks the block <!-- results: {name} --> ... <!-- /results -->"
             for name in known if name not in indexed and name != "pallas_cost_detail"]
     return out + _bench_kda_problems() + _loss_parity_problems()
 
 
-def write(text: str) -> str:
-    present = {name: r for name, r in renderers().items() if (ROOT / r[0]).exists()}
-    return BLOCK.sub(lambda m: m.group(1) + present[m.group(2)][2]() + m.group(4)
-                     if m.group(2) in present else m.group(0), text)
+def rerun_cheap(stale: dict) -> list[str]:
+    """Remeasure every stale cheap block (its command, this interpreter); the names rerun."""
+    import shlex
+    import subprocess
+    names = [n for n, s in stale.items() if s.since and blocks.BLOCKS[n].cheap]
+    for name in names:
+        cmd = shlex.split(blocks.BLOCKS[name].rerun)
+        print(f"rerunning the stale block {name!r}: {' '.join(cmd)}", flush=True)
+        subprocess.run([sys.executable, *cmd[1:]] if cmd[0] == "python" else cmd, cwd=ROOT, check=True)
+    return names
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="rewrite every block from its artifact")
+    parser.add_argument("--rerun-cheap", action="store_true",
+                        help="first remeasure every stale block cheap enough (make_run), then rewrite its pages")
+    parser.add_argument("--fail-stale", action="store_true", help="a stale block fails the check too")
     args = parser.parse_args()
+    stale = stale_report()
+    if args.rerun_cheap and rerun_cheap(stale):
+        stale = stale_report()
+        blocks.rewrite()
     if args.write:
-        for page, text in read_pages().items():
-            if BLOCK.search(text):
-                (ROOT / page).write_text(write(text))
-    found = problems(read_pages())
+        blocks.rewrite()
+    found = problems(read_pages(), stale)
+    for name, s in stale.items():
+        if s.since:
+            print(f"STALE: {name}: since {s.since} ({', '.join(s.changed)} changed after {', '.join(s.recorded)});"
+                  f" rerun: {blocks.BLOCKS[name].rerun}")
+            if args.fail_stale:
+                found.append(f"{name} is stale since {s.since}")
+        elif s.unknown:
+            print(f"note: {name}: staleness unknown ({s.unknown})")
     for line in found:
         print("FAIL:", line)
     print("every results block matches its artifact" if not found else f"{len(found)} problem(s)")

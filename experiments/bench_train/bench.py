@@ -71,7 +71,8 @@ def model_config(name: str, **extra):
     d = yaml.safe_load((ROOT / "conf" / "model" / f"{file}.yaml").read_text())
     d.update(overrides, **extra)
     data_vocab = yaml.safe_load((ROOT / "conf" / "data" / "bundled.yaml").read_text())["vocab_size"]
-    kernel = KernelConfig(name=d["kda_impl"], chunk_size=d["kda_chunk_size"], max_segs=d.get("kda_max_segs"))
+    kernel = KernelConfig(name=d.pop("kda_impl", "chunked"), chunk_size=d.pop("kda_chunk_size", 64),
+                          max_segs=d.pop("kda_max_segs", None))  # the kernel group's keys (run.py: kernel=...)
     return resolve_model_config(d, kernel, data_vocab), B, T  # vocab_size null follows the bundled data, as run.py
 
 

@@ -10,7 +10,7 @@ routing on both sides (`<run>/parity/routing.json`: the first step whose expert 
 layer, the flipped tokens' decision margin); every variant compares the MTP and router z-loss terms per step
 (`<run>/parity/terms.csv`) and the evaluations on the valid and test splits (`<run>/parity/validation_parity.csv`).
 Writes `results.json` (one row per variant, from the runs' summaries; `table(rows)` is the `loss_parity`
-results block of the docs, rewritten by `python -m experiments.check_results --write`). Every run directory
+results block of the docs, rewritten through `experiments.blocks`). Every run directory
 records the commit it measured (`commit.json`, `experiments.provenance.commit`).
 `--only` reruns the named variants and keeps the others' runs; `--reuse` keeps every variant whose run directory
 has a summary. The table holds a row for every variant that has a run.
@@ -96,11 +96,9 @@ def _dtypes(summary: dict) -> str:
 
 def write(rows: list[dict], out: Path) -> None:
     """results.json, and every docs block of the table rewritten from it."""
-    from experiments import check_results
+    from experiments import blocks
     (out / "results.json").write_text(json.dumps(rows, indent=2))
-    for page, text in check_results.read_pages().items():
-        if "<!-- results: loss_parity -->" in text:
-            (ROOT / page).write_text(check_results.write(text))
+    blocks.rewrite({"loss_parity"})
 
 
 def _cell(value, fmt: str = ".2e") -> str:

@@ -307,6 +307,10 @@ def _check_data_budget(data: DataConfig, train: TrainConfig, schedule: ContextSc
 def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tensor_parallel: int = 1) -> Ling3Config:
     """The `model` group (+ the kernel) -> Ling3Config; `vocab_size: null` follows the data's vocabulary."""
     values = dict(values)
+    for key, name in (("kda_impl", "name"), ("kda_chunk_size", "chunk_size"), ("kda_max_segs", "max_segs"),
+                      ("kda_interpret", "interpret")):
+        if key in values:  # the kernel group sets them: a value here would be overwritten unread
+            raise ConfigError(f"model.{key}={values[key]!r} is set by the kernel group: set kernel.{name} instead")
     divisor = values.pop("vocab_size_divisible_by", 128)
     if values.get("vocab_size") is None:  # the data's tokenizer, padded like Megatron's vocab
         values["vocab_size"] = padded_vocab_size(data_vocab_size, divisor, max(tensor_parallel, 1))
@@ -317,6 +321,21 @@ def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tenso
         return config_from_dict(values)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"model: {err}") from err
+
+
+# keys that did nothing or duplicated another: each meaning has one key, named here
+RETIRED = {("model", "mtp", "loss_scale"): "loss.mtp_loss_scale",
+           ("loss", "moe_z_loss_weight"): "model.moe.z_loss_coef",
+           ("loss", "expert_bias_update_rate"): "model.moe.bias_update_rate"}
+
+
+def _check_retired(cfg: dict) -> None:
+    for path, key in RETIRED.items():
+        node = cfg
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            raise ConfigError(f"{'.'.join(path)}={node!r} is not a key (nothing reads it): set {key} instead")
 
 
 def build(cfg: dict, run_dir: str, *, open_data: bool = True) -> RunConfig:
@@ -330,6 +349,7 @@ def build(cfg: dict, run_dir: str, *, open_data: bool = True) -> RunConfig:
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {sorted(known - {'hydra'})}")
+    _check_retired(cfg)
     kernel = make(KernelConfig, cfg.get("kernel"), "kernel")
     data = _data_config(cfg.get("data") or {}, os.getcwd())
     parallel = make(ParallelConfig, cfg.get("parallel"), "parallel")

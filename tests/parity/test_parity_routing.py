@@ -143,7 +143,7 @@ def test_routing_locked_parity_in_every_loss_mode(tmp_path, loss):
     from lingpack.parity.harness import RoutingRecorder, run_parity
     from lingpack.train import loop
     rc = parity_config(tmp_path, ["train.steps=4", *DEFAULT_LING3, "parity.lock_routing=true",
-                                  "loss.moe_z_loss_weight=0.05", *loss])
+                                  "model.moe.z_loss_coef=0.05", *loss])
     recorder = RoutingRecorder(rc.data.seq_length)
     result = loop.train(rc.model, rc.data, rc.loss, rc.optim, rc.parallel, rc.checkpoint, rc.train,
                         routing_callback=recorder)

@@ -17,10 +17,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 START, END = "<!-- quickstart -->", "<!-- /quickstart -->"
+ACTIVATE = ". .venv/bin/activate"   # the block's first line: the tests put this interpreter first on PATH instead
 
 
 def quickstart_commands() -> list[str]:
-    """The block's commands, continuation lines joined, comments dropped."""
+    """The block's commands after its activation of `make run`'s .venv, continuation lines joined, comments
+    dropped."""
     text = (ROOT / "README.md").read_text()
     if START not in text:
         pytest.skip(f"README.md has no {START} block")
@@ -28,7 +30,10 @@ def quickstart_commands() -> list[str]:
     body = re.search(r"```(?:bash|sh)?\n(.*?)```", block, re.S)
     assert body, f"the {START} block holds no fenced code block"
     joined = re.sub(r"\\\n\s*", " ", body.group(1))
-    return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+    lines = [line.split("#")[0].strip() if line.startswith(ACTIVATE) else line.strip() for line in joined.splitlines()]
+    commands = [line for line in lines if line and not line.startswith("#")]
+    assert commands[0] == ACTIVATE, f"the block starts with {ACTIVATE} (bare `python` is the venv's only then)"
+    return commands[1:]
 
 
 def checkout_view(tmp_path: Path) -> Path:

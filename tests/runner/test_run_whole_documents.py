@@ -21,7 +21,7 @@ def test_run_trains_on_whole_document_rows(tmp_path):
     summary = experiment.run(plain, run_dir)
     assert summary["status"] == "completed" and summary["steps"] == 2
     assert np.isfinite(summary["final_lm_loss"])
-    assert summary["packing_parity_rel"] < 1e-5          # each packed row's loss equals its documents alone
+    assert summary["packing_parity_rel"] < 1e-6          # each packed row's loss equals its documents alone
     rc = config_lib.build(plain, run_dir)
     batches = make_iterator(rc.data, split="train", process_index=0, process_count=1)
     records = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]

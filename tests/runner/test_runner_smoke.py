@@ -81,7 +81,8 @@ def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == k + 2
     assert summary["first_lm_loss"] == logged[0]["lm_loss"] and summary["dropped_documents"] == 0
-    assert summary["packing_parity_rel"] < 1e-5
+    # fp32 rounding alone (docs/parity.md#packing-parity): a few steps per token, exact sums of the tokens
+    assert summary["packing_parity_rel"] < 1e-6 and summary["packing_parity_token_max_rel"] < 1e-6
     assert [r["step"] for r in logged if "val_lm_loss" in r] == list(range(2, k + 3, 2))  # both tries' evaluations
     assert summary["val_lm_loss"] > 0 and summary["test_lm_loss"] > 0 and summary["val_ppl"] > 1
     assert "on test set |" in proc.stdout
@@ -118,7 +119,7 @@ def test_overflowing_sweep_finishes_with_its_summary(tmp_path):
     tight, roomy = [json.loads((job / "summary.json").read_text()) for job in jobs]
     assert (tight["max_segs"], roomy["max_segs"]) == (2, 16)
     assert tight["dropped_documents"] > 0 and tight["dropped_tokens"] > 0 and roomy["dropped_documents"] == 0
-    assert tight["packing_parity_rel"] < 1e-5   # the documents that trained match their per-document losses
+    assert tight["packing_parity_rel"] < 1e-6   # the documents that trained match their per-document losses
     # phantom overhead grows with the slots reserved: T_new/T = ceil((B*T + max_segs*63)/64)*64 / (B*T)
     assert tight["phantom_overhead"] < roomy["phantom_overhead"]
     assert "sweep summary (2 jobs)" in proc.stdout

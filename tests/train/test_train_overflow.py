@@ -36,12 +36,19 @@ ROWS, T, MAX_SEGS = [[9, 12, 11], [5, 14, 7, 6]], 32, 4   # 7 documents: row 1's
 DROPPED = (slice(1, 2), slice(5, 32))                    # row 1 from its second document on
 
 
+def _defs(z_loss_coef: float = MODEL.moe.z_loss_coef) -> dict:
+    """The aligned (overflowing) and segment-native model definitions, with this router z-loss weight."""
+    model = dataclasses.replace(MODEL, moe=dataclasses.replace(MODEL.moe, z_loss_coef=z_loss_coef))
+    aligned_cfg = dataclasses.replace(model, kda_impl="chunked_aligned", kda_max_segs=MAX_SEGS)
+    native_cfg = dataclasses.replace(model, kda_impl="chunked")
+    return {name: ModelDef.from_constructor(lambda c=c: Ling3(c, rngs=nnx.Rngs(0)), c)
+            for name, c in (("aligned", aligned_cfg), ("native", native_cfg))}
+
+
 @pytest.fixture(scope="module")
 def setup():
     aligned_cfg = dataclasses.replace(MODEL, kda_impl="chunked_aligned", kda_max_segs=MAX_SEGS)
-    native_cfg = dataclasses.replace(MODEL, kda_impl="chunked")
-    defs = {name: ModelDef.from_constructor(lambda c=c: Ling3(c, rngs=nnx.Rngs(0)), c)
-            for name, c in (("aligned", aligned_cfg), ("native", native_cfg))}
+    defs = _defs()
     state = init_fn(lambda: Ling3(aligned_cfg, rngs=nnx.Rngs(0)), OptimConfig(decay_steps=10), 0)()
     batch = packed_batch(ROWS, T, vocab=64)
     return defs, state, batch
@@ -89,8 +96,8 @@ def test_drop_overflow_in_zigzag_layout_matches_token_order(setup):
                  marks=pytest.mark.slow),
 ])
 def test_overflow_gradients_equal_the_batch_without_those_documents(setup, z_loss, oracle_keys):
-    defs, state, batch = setup
-    loss_cfg = LossConfig(moe_z_loss_weight=z_loss)
+    _, state, batch = setup
+    loss_cfg, defs = LossConfig(), _defs(z_loss)
     g_overflow, s_overflow = _grads(defs["aligned"], state, batch, loss_cfg)
     g_oracle, s_oracle = _grads(defs["native"], state, _without_dropped(batch, *oracle_keys), loss_cfg)
     assert int(s_overflow["dropped_documents"]) == 3 and int(s_oracle["dropped_documents"]) == 0

@@ -47,8 +47,8 @@ class MoEConfig:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = False
-    bias_update_rate: float = 1e-3        # used by the training loop's `update_expert_bias` call
-    z_loss_coef: float = 0.0              # Ling3: 2.9e-6; the loss module scales `router_z_loss` by it
+    bias_update_rate: float = 1e-3        # the train step's `update_expert_bias` rate (auxiliary-loss-free)
+    z_loss_coef: float = 0.0              # Ling3: 2.9e-6; the objective adds it times the router z-loss
     grouped_matmul: str = "auto"          # "ragged_dot", "tiled", or "auto" (GROUPED_MATMUL_AUTO per platform)
     # experts split over axes that also split the tokens: "all_to_all" sends the tokens to the experts'
     # devices (parallel/expert.py); "gather" all-gathers every expert onto every device instead

@@ -15,7 +15,7 @@ with the UN-rolled segment ids and positions, so no document sees another.
 Loss (docs/design.md#mtp; train/loss.py computes it):
     for each d: tgt, mask = mtp_targets(targets, targets_segmentation, d, segment_ids=inputs_segmentation)
                L_d = sum(xent(mtp_logits[d], tgt) * mask) / sum(mask)      (each depth its own count)
-    mtp_loss = loss_scale * mean_d L_d          (loss_scale = MTPConfig.loss_scale, 0.1)
+    mtp_loss = scale * mean_d L_d               (scale = LossConfig.mtp_loss_scale, 0.1)
 `mtp_loss_terms` returns the per-depth (sum, count) pairs for token-weighted reduction across batches.
 """
 
@@ -36,7 +36,6 @@ from lingpack.precision import at_least_fp32
 
 @dataclasses.dataclass(frozen=True)
 class MTPConfig:
-    loss_scale: float = 0.1
     use_moe: bool = True     # the MTP layer's ffn: MoE (DeepSeek-V3, Ling3) or dense SwiGLU
 
 

@@ -112,7 +112,7 @@ def _run_parity(rc, history, metrics_logger, initial_model, routing, final_eval)
                          "loop.train(..., routing_callback=RoutingRecorder(seq_length)) and pass its .steps")
     jax_model = initial_model if initial_model is not None else loop.make_model(rc.model, rc.train.seed)
     hf_model = reference_model(rc.model, jax_model, reference_dtype(rc))
-    z_weight, bias_rate = loss_lib.resolve_moe_weights(rc.loss, rc.model.moe)
+    z_weight, bias_rate = loss_lib.moe_weights(rc.model.moe)
     num_samples = rc.data.num_samples or steps * rc.data.global_batch_size
     splits = ["valid"] + (["test"] if "test_lm_loss" in final_eval else [])  # test only where lingpack had one
     eval_samples = {s: eval_num_samples(rc.data, rc.train, s) for s in splits} if eval_every else None

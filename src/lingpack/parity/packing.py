@@ -4,9 +4,18 @@ Every document of a real batch is moved to the start of its own row (padding aft
 the whole set runs as one batch, and the token-weighted loss is compared with the packed batch's (both padded
 with empty rows to one shape, so one jitted forward serves both).
 Documents the kernel has no slot for (more than its max_segs in a micro-batch) are left out of both.
+
+Both losses are exact sums (`math.fsum`) of the same tokens' fp32 cross-entropies, so the two layouts'
+summation orders do not enter: what differs is each token's own value. That is bitwise equal only where
+every reduction of the forward sees the token's document in the same grouping, which packing cannot give:
+the segment-native chunked KDA cuts a document at other chunk boundaries than alone (its state and in-chunk
+products round differently), and reductions over the row's length (attention, for one) sum the other
+documents' exact zeros at other places. A few fp32 rounding steps per token remain (docs/parity.md).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +25,16 @@ from flax import nnx
 from lingpack.precision import at_least_fp32
 
 
+def _documents(batch: dict) -> list[tuple[int, np.ndarray]]:
+    """(row, token indices) of every document (segment) of `batch`, row by row, in segment order."""
+    seg = np.asarray(batch["inputs_segmentation"])
+    return [(b, np.nonzero(seg[b] == s)[0]) for b in range(seg.shape[0]) for s in np.unique(seg[b][seg[b] > 0])]
+
+
 def unpack_documents(batch: dict) -> dict:
     """One row per document (segment) of `batch`, left-aligned, the rest padding (segment 0)."""
-    rows = []
-    seg = np.asarray(batch["inputs_segmentation"])
-    for b in range(seg.shape[0]):
-        for s in np.unique(seg[b][seg[b] > 0]):
-            rows.append((b, np.nonzero(seg[b] == s)[0]))
-    T = seg.shape[1]
+    rows = _documents(batch)
+    T = np.asarray(batch["inputs_segmentation"]).shape[1]
     out = {key: np.zeros((len(rows), T), np.int32) for key in batch}
     for r, (b, idx) in enumerate(rows):
         for key in batch:
@@ -39,20 +50,23 @@ def pad_rows(batch: dict, rows: int) -> dict:
 
 
 @nnx.jit
-def _masked_xent(model, inputs, segmentation, position, targets, targets_segmentation):
+def _token_xent(model, inputs, segmentation, position, targets):
     out = model(inputs, segmentation, position)
     log_probs = jax.nn.log_softmax(out.logits_BTV.astype(at_least_fp32(out.logits_BTV.dtype)), axis=-1)
-    xent = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    mask = targets_segmentation != 0
-    return jnp.sum(jnp.where(mask, xent, 0.0)), jnp.sum(mask)
+    return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+
+
+def token_losses(model, batch: dict) -> np.ndarray:
+    """[rows, T] cross-entropy of every token of the main head, in fp32 or the logits' wider dtype (one jitted
+    forward per batch shape); padding and unmasked tokens included."""
+    keys = ("inputs", "inputs_segmentation", "inputs_position", "targets")
+    return np.asarray(_token_xent(model, *(jnp.asarray(batch[k]) for k in keys)))
 
 
 def token_weighted_loss(model, batch: dict) -> tuple[float, float]:
-    """(sum of masked token cross-entropies, number of loss tokens) of the main head, in fp32 or the logits'
-    wider dtype (one jitted forward per batch shape)."""
-    keys = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation")
-    total, count = _masked_xent(model, *(jnp.asarray(batch[k]) for k in keys))
-    return float(total), float(count)
+    """(exact sum of the masked token cross-entropies, number of loss tokens) of the main head."""
+    mask = np.asarray(batch["targets_segmentation"]) != 0
+    return math.fsum(token_losses(model, batch)[mask].astype(np.float64)), float(mask.sum())
 
 
 def packing_parity(model, batch: dict, *, micro_batches: int = 1) -> dict:
@@ -71,16 +85,21 @@ def packing_parity(model, batch: dict, *, micro_batches: int = 1) -> dict:
     micro_kept = [{k: np.asarray(v[m]) for k, v in kept.items()} for m in range(micro_batches)]
     micro_alone = [unpack_documents(mb) for mb in micro_kept]
     rows = max(B // micro_batches, *(a["inputs"].shape[0] for a in micro_alone))  # one shape: one compile
-    packed_sum = packed_count = alone_sum = alone_count = 0.0
-    documents = 0
+    packed_tokens, alone_tokens, documents = [], [], 0
     for mb, alone_batch in zip(micro_kept, micro_alone):
-        s, c = token_weighted_loss(model, pad_rows(mb, rows))
-        packed_sum, packed_count = packed_sum + s, packed_count + c
-        s, c = token_weighted_loss(model, pad_rows(alone_batch, rows))
-        alone_sum, alone_count = alone_sum + s, alone_count + c
+        packed_x, alone_x = token_losses(model, pad_rows(mb, rows)), token_losses(model, pad_rows(alone_batch, rows))
+        target = np.asarray(mb["targets_segmentation"]) != 0
+        for r, (b, idx) in enumerate(_documents(mb)):  # row r of alone_batch is this document
+            mask = target[b, idx]
+            packed_tokens.append(packed_x[b, idx][mask])
+            alone_tokens.append(alone_x[r, :len(idx)][mask])
+        if sum(t.size for t in packed_tokens[documents:]) != target.sum():
+            raise AssertionError("loss tokens outside every document of the packed batch")
         documents += alone_batch["inputs"].shape[0]
-    if packed_count != alone_count:
-        raise AssertionError(f"loss tokens differ after unpacking: {packed_count} vs {alone_count}")
-    packed, alone = packed_sum / packed_count, alone_sum / alone_count
+    packed_x, alone_x = (np.concatenate(t).astype(np.float64) for t in (packed_tokens, alone_tokens))
+    packed, alone = math.fsum(packed_x) / packed_x.size, math.fsum(alone_x) / alone_x.size  # exact sums
+    token_rel = np.abs(packed_x - alone_x) / np.maximum(np.abs(alone_x), np.finfo(np.float32).tiny)
     return {"packed_loss": packed, "per_document_loss": alone, "rel_diff": abs(packed - alone) / abs(alone),
+            "token_max_rel_diff": float(token_rel.max(initial=0.0)),
+            "tokens_differing": int(np.count_nonzero(packed_x != alone_x)), "tokens": int(packed_x.size),
             "documents": documents, **{k: int(v) for k, v in dropped.items()}}

@@ -56,8 +56,8 @@ class LossConfig:
         property of the loss, not of our mesh (any mesh gives the same numbers).
     z_loss_weight: weight of the output-logit z-loss `logsumexp(logits)^2` (per loss token; 0 = off).
     mtp_loss_scale: Megatron's `mtp_loss_scaling_factor` (the MTP loss is scale * mean over depths).
-    moe_z_loss_weight / expert_bias_update_rate: None takes the model's MoEConfig value
-        (`z_loss_coef`, `bias_update_rate`).
+    The router's z-loss weight and expert-bias rate belong to the MoE layer (`model.moe.z_loss_coef`,
+    `model.moe.bias_update_rate`, as in Megatron's TransformerConfig).
     """
 
     mode: str = "megatron"
@@ -65,13 +65,11 @@ class LossConfig:
     megatron_dp_size: int = 1
     z_loss_weight: float = 0.0
     mtp_loss_scale: float = 0.1
-    moe_z_loss_weight: float | None = None
-    expert_bias_update_rate: float | None = None
 
     def __post_init__(self):
         _choice("LossConfig", "mode", self.mode, LOSS_MODES)
         _at_least("LossConfig", "megatron_dp_size", self.megatron_dp_size, 1)
-        for name in ("z_loss_weight", "mtp_loss_scale", "moe_z_loss_weight", "expert_bias_update_rate"):
+        for name in ("z_loss_weight", "mtp_loss_scale"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"LossConfig.{name}={value} must be >= 0")

@@ -52,7 +52,7 @@ def make_eval_step(model_def, loss_cfg: LossConfig, *, micro_batches: int, mesh=
 
     `context`: traced under context parallelism (parallel/context.py); the batch is then in its layout."""
     model_cfg = model_def.config
-    moe_z_weight, _ = loss_lib.resolve_moe_weights(loss_cfg, getattr(model_cfg, "moe", None))
+    moe_z_weight, _ = loss_lib.moe_weights(getattr(model_cfg, "moe", None))
     depths = getattr(model_cfg, "mtp_num_layers", 0) or 0
     M = micro_batches
 

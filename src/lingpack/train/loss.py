@@ -163,9 +163,6 @@ def metrics(stats: dict, cfg: LossConfig, *, num_micro_batches: int) -> dict:
             "loss_tokens": stats["lm_tokens"]}
 
 
-def resolve_moe_weights(cfg: LossConfig, moe_cfg) -> tuple[float, float]:
-    """(router z-loss weight, expert-bias update rate): LossConfig's, else the model's MoEConfig values."""
-    z = cfg.moe_z_loss_weight if cfg.moe_z_loss_weight is not None else getattr(moe_cfg, "z_loss_coef", 0.0)
-    rate = (cfg.expert_bias_update_rate if cfg.expert_bias_update_rate is not None
-            else getattr(moe_cfg, "bias_update_rate", 0.0))
-    return float(z), float(rate)
+def moe_weights(moe_cfg) -> tuple[float, float]:
+    """(router z-loss weight, expert-bias update rate) of the model's MoEConfig; (0, 0) without MoE."""
+    return float(getattr(moe_cfg, "z_loss_coef", 0.0)), float(getattr(moe_cfg, "bias_update_rate", 0.0))

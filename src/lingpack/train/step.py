@@ -119,9 +119,8 @@ def init_train_state(model_def: ModelDef, make_model, optim_cfg: OptimConfig, se
     return jax.jit(fn, out_shardings=shardings)(), shardings
 
 
-def _moe_rate_and_weight(loss_cfg: LossConfig, model_cfg) -> tuple[float, float]:
-    moe_cfg = getattr(model_cfg, "moe", None)
-    return loss_lib.resolve_moe_weights(loss_cfg, moe_cfg)
+def _moe_rate_and_weight(model_cfg) -> tuple[float, float]:
+    return loss_lib.moe_weights(getattr(model_cfg, "moe", None))
 
 
 def kernel_max_segs(model_cfg) -> int | None:
@@ -209,7 +208,7 @@ def _accumulate(model_def, loss_cfg, params, rest, batch, micro_batches, mesh, r
     if B % M:
         raise ValueError(f"global batch of {B} rows does not split into micro_batches={M}; choose a divisor of {B}")
     model_cfg = model_def.config
-    moe_z_weight, _ = _moe_rate_and_weight(loss_cfg, model_cfg)
+    moe_z_weight, _ = _moe_rate_and_weight(model_cfg)
     spec = shard_lib.batch_spec(mesh, rules) if mesh is not None else P()
     constrain = lambda x, sh: jax.lax.with_sharding_constraint(x, sh) if mesh is not None else x
     micro = {k: constrain(v.reshape(M, B // M, *v.shape[1:]), NamedSharding(mesh, P(None, *spec)) if mesh else None)
@@ -263,7 +262,7 @@ def make_train_step(model_def: ModelDef, loss_cfg: LossConfig, optim_cfg: OptimC
     tx = make_optimizer(optim_cfg)
     lr_fn = learning_rate(optim_cfg)
     model_cfg = model_def.config
-    _, bias_rate = _moe_rate_and_weight(loss_cfg, model_cfg)
+    _, bias_rate = _moe_rate_and_weight(model_cfg)
     M = micro_batches
 
     def step(state: TrainState, batch: dict):

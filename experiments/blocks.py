@@ -1,0 +1,220 @@
+"""The results blocks of the docs: what each renders, from which artifact, and which code its figures measured.
+
+A block sits in README.md, docs/*.md or experiments/*/README.md between `<!-- results: NAME -->` and
+`<!-- /results -->`. `BLOCKS[NAME]` names its JSON artifact, its renderer (`module:function`, imported only
+when the block is rendered, so a benchmark script can rewrite its own block through this module without an
+import circle), the code paths its figures depend on, the command that remeasures it, and whether it is
+cheap enough for `python -m experiments.check_results --rerun-cheap` (`make test-all`).
+
+A block is stale when a commit after the one its artifact records changed one of its code paths (files
+under them other than docs and results: .md, .json, .csv, .png); the rendered block then opens with
+"stale since <that commit>" until the benchmark is rerun. Without a git history (a source snapshot) or
+when the recorded commit is not in it (a shallow clone), staleness is unknown and nothing is marked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
+PAGES = ["README.md", "docs/*.md", "experiments/*/README.md"]
+MARK = re.compile(r"\A\*\*Stale since [^*]+\*\*[^\n]*\n\n")   # the first line of a stale block, then a blank one
+NOT_CODE = (".md", ".json", ".csv", ".png", ".svg", ".txt")  # docs and results: their changes stale nothing
+
+# code that a whole run reads (run.py and the configs included)
+RUN = ("src/lingpack", "conf", "run.py")
+# what one compiled model step reads (no data pipeline, no tracking)
+STEP = ("src/lingpack/models", "src/lingpack/kernels", "src/lingpack/parallel", "src/lingpack/backend.py",
+        *(f"src/lingpack/train/{m}.py" for m in ("configs", "loss", "optim", "program", "sharding", "step")),
+        "src/lingpack/hlo.py", "src/lingpack/config.py", "src/lingpack/precision.py", "conf/model", "conf/kernel")
+ATTENTION_CP = ("src/lingpack/parallel", "src/lingpack/kernels/attention", "src/lingpack/models/mla.py",
+                "src/lingpack/hlo.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    artifact: str                  # JSON, relative to the repository root
+    renderer: str                  # "module:function" of the artifact (or of `unpack`'s fields, in order)
+    code: tuple[str, ...]          # paths whose change outdates the figures
+    rerun: str                     # the command that remeasures it
+    cheap: bool = False            # rerun by `check_results --rerun-cheap` (about a minute on 2 cores)
+    unpack: tuple[str, ...] = ()   # call the renderer with these fields of the artifact ("-" where absent)
+
+
+BLOCKS = {
+    "make_run": Block("experiments/make_run/results/summary.json", "experiments.make_run.run_default:table",
+                      (*RUN, "experiments/make_run/run_default.py"), "python -m experiments.make_run.run_default",
+                      cheap=True),
+    "bench_kda": Block("experiments/bench_kda/results/bench_kda.json", "experiments.bench_kda.bench:table",
+                       ("src/lingpack/kernels/kda", "src/lingpack/parity/fla.py", "experiments/bench_kda/bench.py"),
+                       "python -m experiments.bench_kda.bench"),
+    "bench_train": Block("experiments/bench_train/results/bench_train.json", "experiments.bench_train.bench:table",
+                         (*STEP, "experiments/bench_train/bench.py"), "python -m experiments.bench_train.bench"),
+    "pallas_cost": Block("experiments/pallas_cost/results/results.json", "experiments.pallas_cost.cost_model:summary",
+                         ("src/lingpack/kernels/kda", "experiments/pallas_cost/cost_model.py"),
+                         "python -m experiments.pallas_cost.cost_model"),
+    "pallas_cost_detail": Block("experiments/pallas_cost/results/results.json",
+                                "experiments.pallas_cost.cost_model:markdown",
+                                ("src/lingpack/kernels/kda", "experiments/pallas_cost/cost_model.py"),
+                                "python -m experiments.pallas_cost.cost_model"),
+    "phantom_overhead": Block("experiments/phantom_overhead/results/results.json",
+                              "experiments.phantom_overhead.sweep:table",
+                              ("src/lingpack/kernels/kda", "experiments/phantom_overhead/sweep.py",
+                               "experiments/bench_kda/bench.py"), "python -m experiments.phantom_overhead.sweep"),
+    "loss_parity": Block("experiments/loss_parity/results/results.json", "experiments.loss_parity.run_parity:table",
+                         (*RUN, "experiments/loss_parity/run_parity.py"),
+                         "python -m experiments.loss_parity.run_parity"),
+    "context_parallel": Block("experiments/context_parallel/results/results.json",
+                              "experiments.context_parallel.bench:table",
+                              (*ATTENTION_CP, "experiments/context_parallel/bench.py"),
+                              "python -m experiments.context_parallel.bench", unpack=("memory", "balance", "commit")),
+    "context_parallel_model": Block("experiments/context_parallel/results/model_memory.json",
+                                    "experiments.context_parallel.model_memory:table",
+                                    (*STEP, "experiments/context_parallel/model_memory.py"),
+                                    "python -m experiments.context_parallel.model_memory"),
+    "context_schedule": Block("experiments/context_parallel/results/context_schedule.json",
+                              "experiments.context_parallel.context_schedule:table",
+                              (*RUN, "experiments/context_parallel/context_schedule.py"),
+                              "python -m experiments.context_parallel.context_schedule"),
+    "plan_flagship": Block("experiments/plan/results/flagship.json", "experiments.plan.flagship:table",
+                           (*STEP, "src/lingpack/plan", "src/lingpack/plan.py", "src/lingpack/plan_measure.py",
+                            "src/lingpack/chips.py", "experiments/plan/flagship.py"),
+                           "python -m experiments.plan.flagship --rerun"),
+    "cp_attribution": Block("experiments/context_parallel/results/attribution.json",
+                            "experiments.context_parallel.attribution:table",
+                            (*STEP, "experiments/context_parallel/attribution.py",
+                             "experiments/context_parallel/model_memory.py"),
+                            "python -m experiments.context_parallel.attribution"),
+    "ring_memory": Block("experiments/context_parallel/results/ring_memory.json",
+                         "experiments.context_parallel.ring_memory:table",
+                         (*ATTENTION_CP, "experiments/context_parallel/ring_memory.py",
+                          "experiments/context_parallel/bench.py"),
+                         "python -m experiments.context_parallel.ring_memory"),
+    "expert_parallel": Block("experiments/expert_parallel/results/results.json", "experiments.expert_parallel.bench:table",
+                             (*STEP, "experiments/expert_parallel/bench.py"), "python -m experiments.expert_parallel.bench"),
+    "whole_document_packing": Block("experiments/whole_document_packing/results/fill.json",
+                                    "experiments.whole_document_packing.fill:table",
+                                    ("src/lingpack/data", "experiments/whole_document_packing/fill.py"),
+                                    "python -m experiments.whole_document_packing.fill"),
+    "mosaic_compile": Block("experiments/mosaic_compile/results/mosaic_compile.json",
+                            "experiments.mosaic_compile.compile_kernels:table",
+                            ("src/lingpack/kernels", "experiments/mosaic_compile/compile_kernels.py"),
+                            "python -m experiments.mosaic_compile.compile_kernels"),
+    "kda_roofline": Block("experiments/mosaic_compile/results/mosaic_compile.json",
+                          "experiments.mosaic_compile.compile_kernels:roofline_table",
+                          ("src/lingpack/kernels", "experiments/mosaic_compile/compile_kernels.py"),
+                          "python -m experiments.mosaic_compile.compile_kernels"),
+}
+
+
+def load(path: str, root: Path = ROOT):
+    return json.loads((root / path).read_text())
+
+
+def table(name: str) -> str:
+    """What the block's renderer makes of its artifact (no staleness line)."""
+    block = BLOCKS[name]
+    module, function = block.renderer.split(":")
+    data = load(block.artifact)
+    args = [data.get(k, "-") for k in block.unpack] if block.unpack else [data]
+    return getattr(importlib.import_module(module), function)(*args)
+
+
+def recorded_commits(data) -> set[str]:
+    """Every `commit` the artifact records (any depth), without a `+changes` suffix."""
+    if isinstance(data, dict):
+        found = {data["commit"].split("+")[0]} if isinstance(data.get("commit"), str) else set()
+        return found.union(*(recorded_commits(v) for k, v in data.items() if k != "commit"))
+    if isinstance(data, list):
+        return set().union(*(recorded_commits(v) for v in data))
+    return set()
+
+
+def _git(root: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+
+def has_history(root: Path = ROOT) -> bool:
+    return _git(root, "rev-parse", "--verify", "-q", "HEAD").returncode == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Staleness:
+    since: str | None               # the first commit after the recorded one to change the code; None: fresh
+    recorded: tuple[str, ...]       # the artifact's commits
+    changed: tuple[str, ...] = ()   # the code paths that changed
+    unknown: str | None = None      # why staleness cannot be told
+
+
+def staleness(code: tuple[str, ...], commits: set[str], root: Path = ROOT) -> Staleness:
+    """Whether a commit after every one of `commits` changed a code file under `code` (git log of root)."""
+    recorded = tuple(sorted(commits))
+    if not commits:
+        return Staleness(None, recorded, unknown="its artifact records no commit")
+    if not has_history(root):
+        return Staleness(None, recorded, unknown="no git history")
+    missing = [c for c in recorded if _git(root, "cat-file", "-e", f"{c}^{{commit}}").returncode]
+    if missing:
+        return Staleness(None, recorded, unknown=f"commit {', '.join(missing)} is not in this history")
+    since, changed, first = None, set(), 0
+    for c in recorded:  # each commit's own figures are stale from the first change after it
+        log = _git(root, "log", "--no-merges", "--reverse", "--format=@%h", "--name-only", f"{c}..HEAD", "--",
+                   *code).stdout
+        shas = []
+        for entry in log.split("@")[1:]:
+            sha, *files = entry.split()
+            code_files = [f for f in files if not f.endswith(NOT_CODE)]
+            if code_files:
+                shas.append(sha)
+                changed |= {next(p for p in code if f == p or f.startswith(p.rstrip("/") + "/")) for f in code_files}
+        if len(shas) > first:  # the oldest measurement has the longest list of later changes
+            since, first = shas[0], len(shas)
+    return Staleness(since, recorded, tuple(sorted(changed)))
+
+
+def block_staleness(name: str, root: Path = ROOT) -> Staleness:
+    block = BLOCKS[name]
+    return staleness(block.code, recorded_commits(load(block.artifact, root)), root)
+
+
+def mark(name: str, stale: Staleness) -> str:
+    """The block's first line when it is stale, else ''."""
+    if stale.since is None:
+        return ""
+    paths = ", ".join(stale.changed[:3]) + (f" and {len(stale.changed) - 3} more" if len(stale.changed) > 3 else "")
+    return (f"**Stale since {stale.since}**: {paths} changed after the measured commit "
+            f"{', '.join(stale.recorded)}; `{BLOCKS[name].rerun}` remeasures it.\n\n")
+
+
+def render(name: str, root: Path = ROOT) -> str:
+    """The whole block: the staleness line (when stale) and the table."""
+    return mark(name, block_staleness(name, root)) + table(name)
+
+
+def read_pages(root: Path = ROOT) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text() for pattern in PAGES for p in sorted(root.glob(pattern))}
+
+
+def write(text: str, root: Path = ROOT) -> str:
+    """`text` with every block whose artifact exists rendered again (unknown names are left alone)."""
+    present = {name for name, b in BLOCKS.items() if (root / b.artifact).exists()}
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2), root) + m.group(4)
+                     if m.group(2) in present else m.group(0), text)
+
+
+def rewrite(names: set[str] | None = None, root: Path = ROOT) -> list[str]:
+    """Render again, in place, every page holding one of `names` (every block: None); the pages written."""
+    written = []
+    for page, text in read_pages(root).items():
+        if any(m.group(2) in (names or BLOCKS) for m in BLOCK.finditer(text)):
+            new = write(text, root)
+            if new != text:
+                (root / page).write_text(new)
+                written.append(page)
+    return written

@@ -20,7 +20,8 @@ BLEND = "data.paths=[0.3,bundled,0.7,bundled:scene]"
 
 
 def printed(capsys, argv) -> tuple[dict, list[str], str]:
-    """({flag: [values]}, unmapped comment lines, the whole output) of `megatron_args.main(argv)`."""
+    """({flag: [values]}, unmapped notes, the whole output) of `megatron_args.main(argv)`; every flag printed is
+    one of Megatron-LM's (main)."""
     assert megatron_args.main(argv) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -38,6 +39,8 @@ def printed(capsys, argv) -> tuple[dict, list[str], str]:
             current = flags.setdefault(word, [])
         else:
             current.append(word)
+    _, known = megatron_args.megatron_arguments("main")
+    assert not set(flags) - known, f"not Megatron-LM flags: {sorted(set(flags) - known)}"   # every command printed
     notes = []   # one string per note (a note's continuation lines joined)
     for line in lines[start + len(body) + 1:]:
         if line.startswith("#   - "):

@@ -149,7 +149,8 @@ def _kda_note(rc) -> str | None:
         return None
     gate = "safe gate, lower bound %g" % rc.model.kda.lower_bound if rc.model.kda.lower_bound is not None \
         else "softplus gate"
-    return ("model.kda: Megatron-LM has no KDA (Kimi Delta Attention) layer: the command's linear-attention layers are its "
+    return ("model.kda: Megatron-LM has no KDA (Kimi Delta Attention) layer: the command's linear-attention "
+            "layers are its "
             f"Gated DeltaNet (one decay per head; lingpack's KDA decays per channel, {gate}, "
             f"{rc.model.kda.gate_activation} output gate). Same layout and sizes, a different model: compare the "
             "two loss curves as two models, not for parity")
@@ -207,7 +208,8 @@ def _moe_flags(rc) -> list:
 def _topk_note(rc) -> str | None:
     e = rc.model.moe
     if has_moe(rc.model) and not e.norm_topk_prob and e.top_k > 1:
-        return ("model.moe.norm_topk_prob=false: Megatron-LM renormalises sigmoid scores over the top-k whenever top-k > 1 "
+        return ("model.moe.norm_topk_prob=false: Megatron-LM renormalises sigmoid scores over the top-k "
+                "whenever top-k > 1 "
                 "(no argument turns it off), so its expert weights differ by that sum")
     return None
 
@@ -244,7 +246,8 @@ FIXED = (
 RULES: dict[str, Rule] = {
     # top level
     "name": no_loss("the run's name"),
-    "seed": unmapped(lambda rc: f"seed={rc.seed} (lingpack's initialisation): Megatron-LM draws its weights from --seed with "
+    "seed": unmapped(lambda rc: f"seed={rc.seed} (lingpack's initialisation): Megatron-LM draws its weights "
+                                "from --seed with "
                                 "torch's generator and scales output projections by 1/sqrt(2 x num_layers); the two "
                                 "runs start from different weights"),
     "run_dir": no_loss(_RUNTIME), "notes": no_loss("messages of the config check"),
@@ -334,7 +337,8 @@ RULES: dict[str, Rule] = {
         "remat", "remat_policy", "scan_layers", "vocab_chunk_size")},
     "model.kda.num_heads": maps(_kda_flags, _kda_note), "model.kda.head_dim": part_of("model.kda.num_heads"),
     "model.kda.conv_size": part_of("model.kda.num_heads"),
-    "model.kda.lower_bound": part_of("model.kda.num_heads"), "model.kda.gate_activation": part_of("model.kda.num_heads"),
+    "model.kda.lower_bound": part_of("model.kda.num_heads"),
+    "model.kda.gate_activation": part_of("model.kda.num_heads"),
     "model.mla.num_heads": maps(_mla_flags, _rope_note),
     **{f"model.mla.{k}": part_of("model.mla.num_heads") for k in
        ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_type",

@@ -145,7 +145,8 @@ class Staleness:
 
 
 def staleness(code: tuple[str, ...], commits: set[str], root: Path = ROOT) -> Staleness:
-    """Whether a commit after every one of `commits` changed a code file under `code` (git log of root)."""
+    """Whether a commit after any of `commits` (HEAD's history, merges aside) changed a code file under
+    `code`: the first such commit after the oldest measurement, and which of `code` changed."""
     recorded = tuple(sorted(commits))
     if not commits:
         return Staleness(None, recorded, unknown="its artifact records no commit")

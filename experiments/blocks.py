@@ -153,7 +153,8 @@ class Staleness:
 
 
 def staleness(code: tuple[str, ...], commits: set[str], root: Path = ROOT) -> Staleness:
-    """Whether a commit after every one of `commits` changed a code file under `code` (git log of root)."""
+    """Whether a commit after any of `commits` (HEAD's history, merges aside) changed a code file under
+    `code`: the first such commit after the oldest measurement, and which of `code` changed."""
     recorded = tuple(sorted(commits))
     if not commits:
         return Staleness(None, recorded, unknown="its artifact records no commit")
@@ -184,11 +185,11 @@ def block_staleness(name: str, root: Path = ROOT) -> Staleness:
 
 
 def mark(name: str, stale: Staleness) -> str:
-    """The block's first line when it is stale, else ''."""
+    """The block's first line when it is stale, else ''. It names the first change only, so that later commits
+    leave it alone (`check_results` lists the paths that changed)."""
     if stale.since is None:
         return ""
-    paths = ", ".join(stale.changed[:3]) + (f" and {len(stale.changed) - 3} more" if len(stale.changed) > 3 else "")
-    return (f"**Stale since {stale.since}**: {paths} changed after the measured commit "
+    return (f"**Stale since {stale.since}**: its code changed after the measured commit "
             f"{', '.join(stale.recorded)}; `{BLOCKS[name].rerun}` remeasures it.\n\n")
 
 

@@ -32,12 +32,12 @@ def table(summary: dict) -> str:
     """The `make_run` results block, from summary.json."""
     return "\n".join([
         "| lingpack commit | steps | lm loss first -> last | tokens/s | wall time (compilation included) "
-        "| packing parity (rel) | worst token (rel) | phantom overhead |",
+        "| packing parity (rel) | worst token (nats) | phantom overhead |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
         f"| {summary.get('commit', '-')} | {summary['steps']} | "
         f"{summary['first_lm_loss']:.2f} -> {summary['final_lm_loss']:.2f} | "
         f"{summary['tokens_per_s']:,.0f} | {summary['wall_seconds']:.0f} s | {summary['packing_parity_rel']:.1e} | "
-        f"{_cell(summary.get('packing_parity_token_max_rel'))} | "
+        f"{_cell(summary.get('packing_parity_token_max_abs'))} | "
         f"{summary['phantom_overhead']:.2f} |"]
         + ([f"\n2 CPU cores; load average {summary['load_average_at_start']:.1f} when the run started (1.0 = one"
             " core busy with other jobs)."] if "load_average_at_start" in summary else [])) + "\n"

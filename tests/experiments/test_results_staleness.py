@@ -33,8 +33,9 @@ def test_a_change_to_the_code_after_the_measured_commit_makes_a_block_stale(tmp_
     _commit(tmp_path, {"bench.py": "z = 1\n"}, "bench")
     stale = blocks.staleness(code, {measured}, tmp_path)
     assert (stale.since, stale.recorded, stale.changed) == (changed, (measured,), ("bench.py", "src/pkg"))
-    assert blocks.mark("make_run", stale).startswith(f"**Stale since {changed}**: bench.py, src/pkg changed after "
-                                                     f"the measured commit {measured}; `python -m experiments.")
+    assert blocks.mark("make_run", stale) == (f"**Stale since {changed}**: its code changed after the measured commit "
+                                              f"{measured}; `python -m experiments.make_run.run_default` remeasures it."
+                                              "\n\n")
     # remeasured at HEAD: fresh again
     assert blocks.staleness(code, {_git(tmp_path, "rev-parse", "--short", "HEAD")}, tmp_path).since is None
     # an older measurement among several decides

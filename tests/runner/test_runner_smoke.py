@@ -82,7 +82,7 @@ def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     assert summary["status"] == "completed" and summary["steps"] == k + 2
     assert summary["first_lm_loss"] == logged[0]["lm_loss"] and summary["dropped_documents"] == 0
     # fp32 rounding alone (docs/parity.md#packing-parity): a few steps per token, exact sums of the tokens
-    assert summary["packing_parity_rel"] < 1e-6 and summary["packing_parity_token_max_rel"] < 1e-6
+    assert summary["packing_parity_rel"] < 1e-6 and summary["packing_parity_token_max_abs"] < 1e-5
     assert [r["step"] for r in logged if "val_lm_loss" in r] == list(range(2, k + 3, 2))  # both tries' evaluations
     assert summary["val_lm_loss"] > 0 and summary["test_lm_loss"] > 0 and summary["val_ppl"] > 1
     assert "on test set |" in proc.stdout

@@ -24,7 +24,7 @@ GROUPS = (
     ("speed", [("tokens_per_s", "tokens/s (median step)")]),
     ("packing", [("segments_per_row", "documents/row"), ("phantom_overhead", "phantom overhead"),
                  ("packing_parity_rel", "packed vs per-document (rel)"),
-                 ("packing_parity_token_max_rel", "worst token")]),
+                 ("packing_parity_token_max_abs", "worst token (nats)")]),
     ("overflow", [("dropped_documents", "dropped documents"), ("dropped_tokens", "dropped tokens"),
                   ("dropped_token_fraction", "of all tokens"), ("overflow_steps", "steps")]),
     ("validation", [("val_lm_loss", "lm loss"), ("val_ppl", "ppl"), ("val_mtp_loss", "mtp loss"),

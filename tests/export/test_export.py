@@ -5,7 +5,7 @@ NoPE MLA: transformers' own KimiLinearForCausalLM), loaded by transformers from 
 Oracles: lingpack's packed forward against transformers' run of each document alone (logits within 1e-4);
 transformers' greedy generation (with its cache) against lingpack's argmax recomputing the whole sequence;
 import then export reproduces every file byte for byte. Weights have O(1) activations (tests/parity), the KDA
-gates reach the -5 bound and expert biases are nonzero, so nothing is vacuous. ~60 s for the file (4 compiles of lingpack's forward, on 2 CPU cores).
+gates reach the -5 bound and expert biases are nonzero, so nothing is vacuous. ~50 s for the file in the default suite (2 configs; lingpack's forward compiles once per config).
 """
 import dataclasses
 import json
@@ -62,7 +62,8 @@ def save_checkpoint(model, directory) -> str:
     return os.path.join(str(directory), "3")
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=["kimi_linear", "ling3",   # the reordered rope rows: slow (+25 s)
+                                        pytest.param("ling3_half_split", marks=pytest.mark.slow)])
 def exported(request, tmp_path_factory):
     cfg = CONFIGS[request.param]()
     model = o1_model(cfg, seed=3)

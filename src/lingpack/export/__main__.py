@@ -32,6 +32,13 @@ def main(argv=None) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)
     from lingpack.export.runs import export_run
     try:
+        import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as err:
+        print(f"error: the export writes transformers' config and safetensors files ({err}); install them with "
+              "pip install -e '.[parity]'", file=sys.stderr)
+        return 2
+    try:
         done = export_run(args.run, args.out, step=args.step, mtp=not args.no_mtp,
                           max_shard_bytes=parse_size(args.max_shard_size))
     except (ConfigError, FileNotFoundError) as err:

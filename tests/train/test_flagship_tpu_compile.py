@@ -42,3 +42,17 @@ def test_whole_flagship_step_compiles_for_64_v5p_chips():
     rows on fsdp=8 x expert=8 of a v5p:4x4x4 slice."""
     compiled = compile_flagship(mosaic.Topology("v5p:4x4x4", "megacore"), (2, 2, 1), rows=64, fsdp=8, expert=8)
     check_compiled(compiled, "v5p")
+
+
+EIGHT_CHIPS = {"v5e": mosaic.Topology("v5e:2x4", "default"), "v5p": mosaic.Topology("v5p:2x2x2", "megacore"),
+               "v6e": mosaic.Topology("v6e:2x4", "default")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", sorted(EIGHT_CHIPS))
+def test_two_layer_flagship_step_compiles_for_8_chips(generation):
+    """The flagship's first two layers (KDA + dense, KDA + MoE) and its MTP layer (MLA + MoE: splash), T=8192,
+    8 rows on fsdp=8 (no expert parallelism: v5e's XLA:TPU refuses the ragged all-to-all). Over two CPU minutes of compile each, so not in
+    the default suite."""
+    compiled = compile_flagship(EIGHT_CHIPS[generation], (2, 2, 1), rows=8, num_layers=2, fsdp=8)
+    check_compiled(compiled, generation)

@@ -15,7 +15,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lingpack import chips, hlo, plan, plan_measure
+from lingpack import plan
+from lingpack.plan import chips, hlo
+from lingpack.plan import measure as plan_measure
 from lingpack.errors import ConfigError
 from lingpack.models.ling3 import Ling3Output
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig

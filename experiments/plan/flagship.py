@@ -7,7 +7,7 @@
 
 Scenarios (conf/model/ling3_flagship.yaml, kernel=pallas_segment, attention splash, 64 devices):
   t8k     T=8192, 64 rows (512K tokens a step); the configured mesh fsdp=8 x expert=8, then the planner's
-          other candidates (`lingpack.plan_measure.candidate_meshes`)
+          other candidates (`lingpack.plan.measure.candidate_meshes`)
   t128k   T=131072, 8 rows (1M tokens a step), context parallelism (ring, zigzag); configured expert=8 x
           context=8, then the candidates
   depth   t8k's configured mesh planned from 9 and 13 compiled layers (`plan.layers=9`), against the full
@@ -52,7 +52,8 @@ def mesh_overrides(parallel) -> list[str]:
 
 def meshes(scenario: str) -> list[list[str]]:
     """Override lists of the meshes to plan for `scenario`: the configured one, then the planner's candidates."""
-    from lingpack import plan, plan_measure
+    from lingpack import plan
+    from lingpack.plan import measure as plan_measure
     rc = plan.run_config(plan.compose(SCENARIOS[scenario], plan.find_conf_dir(str(ROOT / "conf"))))
     return [[]] + [mesh_overrides(p) for p in plan_measure.candidate_meshes(rc, DEVICES, SEARCH - 1)]
 
@@ -80,7 +81,8 @@ def run_plan(overrides: list[str], timeout: int) -> dict:
 
 
 def judged(result: dict, chip: str) -> dict:
-    from lingpack import chips, plan_measure
+    from lingpack.plan import chips
+    from lingpack.plan import measure as plan_measure
     return plan_measure.assess(result, chips.chip(chip))
 
 

@@ -92,20 +92,16 @@ class Executed:
     times: float           # executions per call of the program (a weighted conditional branch: its share)
     fused: bool            # inside a fusion (or a reducer): reads and writes no memory of its own
     shapes: dict           # name -> shape of the instructions of its computation (operand lookup)
+    comp: str = ""         # the computation it belongs to
 
 
-def sources(hlo: str) -> dict[str, str]:
-    """stack_frame_id -> "file:line" of the innermost frame (the tables compiled HLO text starts with)."""
-    head = hlo.split("\n\n%", 1)[0] if "StackFrames" in hlo else ""
-    files = dict(re.findall(r'^(\d+) "([^"]*)"', head.split("FunctionNames")[0], re.M))
-    locations = {i: (f, line) for i, f, line in
-                 re.findall(r"^(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)", head, re.M)}
-    frames = dict(re.findall(r"^(\d+) \{file_location_id=(\d+) parent_frame_id=\d+\}", head, re.M))
-    return {frame: f"{files.get(locations[loc][0], '?')}:{locations[loc][1]}"
-            for frame, loc in frames.items() if loc in locations}
+def op_name(line: str) -> str:
+    """JAX's name stack of an instruction (its `op_name` metadata: "jit(step)/while/body/.../dot_general"), or ""."""
+    found = re.search(r'op_name="([^"]*)"', line)
+    return found.group(1) if found else ""
 
 
-def _branches(op: Instruction, where: dict, branch_weights) -> tuple[list[str], list[float]]:
+def _branches(op: Instruction, branch_weights) -> tuple[list[str], list[float]]:
     """A conditional's branch computations in index order (a predicate's: false, true) and their weights."""
     listed = re.search(r"branch_computations=\{([^}]*)\}", op.line)
     if listed:
@@ -113,26 +109,24 @@ def _branches(op: Instruction, where: dict, branch_weights) -> tuple[list[str], 
     else:
         named = dict(re.findall(r"(true|false)_computation=%?([\w.\-]+)", op.line))
         branches = [named[k] for k in ("false", "true") if k in named]
-    frame = re.search(r"stack_frame_id=(\d+)", op.line)
-    weights = branch_weights(op, where.get(frame.group(1)) if frame else None) if branch_weights else None
+    weights = branch_weights(op) if branch_weights else None
     return branches, list(weights) if weights else [1.0] * len(branches)
 
 
 def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
     """(every instruction the program runs, with its execution count, loops whose trip count is unknown).
 
-    A conditional's branches each count as if they ran (an upper bound), unless `branch_weights(op, source)`
-    (source: the op's "file:line", or None) returns one weight per branch, e.g. the share of a layer scan's
-    trips that take each branch.
+    A conditional's branches each count as if they ran (an upper bound), unless `branch_weights(op)` returns
+    one weight per branch, e.g. the share of a layer scan's trips that take each branch (found by the named
+    scope in the op's `op_name`).
     """
     comps, entry = _computations(hlo)
     shapes = {name: {op.name: op.shape for op in ops} for name, ops in comps.items()}
-    where = sources(hlo) if branch_weights else {}
     found, unknown = [], [0]
 
     def visit(comp: str, times: float, fused: bool) -> None:
         for op in comps.get(comp, []):
-            found.append(Executed(op, times, fused, shapes[comp]))
+            found.append(Executed(op, times, fused, shapes[comp], comp))
             if op.opcode == "while":
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.line)
                 unknown[0] += trip is None
@@ -142,7 +136,7 @@ def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
             for key, callee in re.findall(r"(to_apply|calls)=%?([\w.\-]+)", op.line):
                 visit(callee, times, fused or key == "to_apply" or op.opcode == "fusion")
             if op.opcode == "conditional":
-                for callee, weight in zip(*_branches(op, where, branch_weights)):
+                for callee, weight in zip(*_branches(op, branch_weights)):
                     visit(callee, times * weight, fused)
 
     if entry is not None:
@@ -375,6 +369,19 @@ def mosaic_calls(module: str) -> dict:
     kernel called twice from one deduplicated function counts once (counts are of the text, not of runs).
     """
     return dict(collections.Counter(re.findall(r'tpu_custom_call\(.*?kernel_name = "([^"]+)"', module)))
+
+
+def compiled_kernels(text: str) -> dict:
+    """Mosaic kernels of a program compiled by XLA:TPU: {kernel name: custom calls}, the name from the call's
+    name stack (the pallas_call's `name`); XLA's own Mosaic calls (ragged-dot) by their instruction name."""
+    found = collections.Counter()
+    for line in text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line:
+            continue
+        scopes = [s for s in op_name(line).split("/") if s and s != "pallas_call"]
+        head = re.match(r"^\s*(?:ROOT\s+)?%?([\w\-]+?)(?:\.\d+)?\s*=", line)
+        found[scopes[-1] if "pallas_call" in op_name(line) and scopes else head.group(1) if head else "?"] += 1
+    return dict(found)
 
 
 TRITON_CALL = "__gpu$xla.gpu.triton"   # the custom-call target of a Pallas kernel lowered through Triton

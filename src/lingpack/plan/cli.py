@@ -37,7 +37,7 @@ from pathlib import Path
 
 from lingpack.errors import ConfigError
 
-OUTPUT_KEYS = ("per_device_bytes", "hbm_bytes", "fits", "step_flops", "collective_bytes", "est_step_s", "mfu_at_est")
+OUTPUT_KEYS = ("compiler", "per_device_bytes", "hbm_bytes", "fits", "step_flops", "collective_bytes", "est_step_s", "mfu_at_est")
 
 
 @dataclasses.dataclass(frozen=True)

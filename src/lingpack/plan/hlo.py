@@ -178,6 +178,7 @@ def dot_flops(hlo: str, branch_weights=None) -> float:
 NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
               "after-all", "partition-id", "replica-id", "opt-barrier"}
 SLICES = {"dynamic-slice", "slice", "gather"}
+UNARY = {"convert", "bitcast", "copy", "bitcast-convert"}
 
 
 def _moved(op: Instruction, shapes: dict, comps: dict) -> int:
@@ -201,11 +202,19 @@ def _moved(op: Instruction, shapes: dict, comps: dict) -> int:
             users[name].append(i)
     root = next((i for i in body if i.root), None)
     outputs = [by_name[n] for n in root.operands] if root is not None and root.opcode == "tuple" else [root]
+    def peel(inst):   # through dtype and layout changes that keep the buffer's elements where they are
+        while inst is not None and inst.opcode in UNARY and inst.operands and inst.operands[0] in by_name:
+            inst = by_name[inst.operands[0]]
+        return inst
+
     written, in_place = 0, set()
     for out in outputs:
-        if out is not None and out.opcode == "dynamic-update-slice" and out.operands[0] in params.values():
-            in_place.add(out.operands[0])
-            written += size(out.operands[1], inner)
+        core = peel(out)
+        buffer = peel(by_name.get(core.operands[0])) if core is not None and core.opcode == "dynamic-update-slice" else None
+        if buffer is not None and buffer.opcode == "parameter" and _dims(buffer.shape) == _dims(out.shape):
+            in_place.add(buffer.name)   # updated in place (XLA shares the buffer), also under converts
+            update = _dims(inner.get(core.operands[1], ""))
+            written += math.prod(update) * DTYPE_BYTES.get(re.match(r"\w+", out.shape).group(0), 4)
         elif out is not None:
             written += shape_bytes(out.shape)
     read = 0

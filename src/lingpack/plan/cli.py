@@ -156,8 +156,8 @@ def plan(rc, cfg: PlanConfig, *, log=print) -> dict:
     configured = configured_mesh(rc, cfg.devices, log)
     meshes = [configured]
     if cfg.search:
-        meshes += measure.candidate_meshes(dataclasses.replace(rc, parallel=configured), cfg.devices,
-                                           limit=cfg.search_max - 1)
+        base = rc if configured is rc.parallel else dataclasses.replace(rc, parallel=configured)
+        meshes += measure.candidate_meshes(base, cfg.devices, limit=cfg.search_max - 1)
     results, findings = [], []
     for parallel in meshes:
         name = measure.mesh_name(parallel, cfg.devices)

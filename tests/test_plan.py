@@ -202,7 +202,10 @@ def test_layer_stack_matmul_flops_equal_the_unrolled_models():
         program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=3), ParallelConfig(data=1),
                                      TrainConfig(), rows=2, seq_length=64, devices=jax.devices()[:1])
         text = program.lower().compile().as_text()
-        flops[scan] = (hlo.dot_flops(text, plan_measure.branch_weights(model)), hlo.dot_flops(text))
-        assert (plan_measure.branch_weights(model) is None) == (not scan)
+        weights, hits = plan_measure.branch_weights(model), []
+        found = (lambda op: hits.append(op.name) or weights(op) if weights(op) else None) if weights else None
+        flops[scan] = (hlo.dot_flops(text, found), hlo.dot_flops(text))
+        assert (weights is None) == (not scan)
+        assert bool(hits) == scan, "the layer stack's mixer cond is found by its named scope
     assert flops[True][0] == pytest.approx(flops[False][0], rel=0.03)
     assert flops[True][1] > 1.2 * flops[False][0]

@@ -66,3 +66,50 @@ def test_an_all_gather_moves_its_ring_bytes_over_the_links_of_its_torus_dimensio
     per_direction = chip.link_bw / chip.links / 2
     sent = 16 * 8192 * 4 * 3 / 4
     assert planned["by_part"]["collectives"] == pytest.approx(sent / (2 * per_direction), rel=1e-6)
+
+
+def weights_found(model_cfg):
+    """measure.branch_weights for `model_cfg`, and a list that records each conditional it weighed."""
+    from lingpack.plan import measure
+    weights, hits = measure.branch_weights(model_cfg), []
+
+    def counted(op):
+        got = weights(op)
+        if got is not None:
+            hits.append(op.name)
+        return got
+    return counted, hits
+
+
+@pytest.mark.slow
+def test_a_small_ling3_steps_compiled_flops_are_train_flops_plus_its_remat():
+    """A 9-layer Ling3 (a scanned stack of KDA and MLA layers under the mixer cond, MoE, MTP), pallas_segment KDA
+    and splash attention, nothing_saveable remat, compiled by XLA:TPU for one v5p: the compiled program's FLOPs
+    (fusions' matmuls and the Mosaic kernels' CostEstimates, loop trip counts and the cond's layer shares in)
+    within 10% of train/flops.py's count plus the forward the remat policy recomputes; the cond's branch weights
+    are found by the stack's named scope."""
+    from lingpack import backend
+    from lingpack.models.kda import KDAConfig
+    from lingpack.models.ling3 import Ling3Config
+    from lingpack.models.mla import MLAConfig
+    from lingpack.models.moe import MoEConfig
+    from lingpack.plan import measure
+    from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
+    from lingpack.train.program import TrainProgram
+    T, rows = 1024, 2
+    model = Ling3Config(vocab_size=2048, emb_dim=256, num_layers=9, mlp_dim=512, kda=KDAConfig(num_heads=2, head_dim=128),
+                        kda_chunk_size=64, kda_impl="pallas_segment", attention_impl="splash", attention_block_size=512,
+                        remat=True, remat_policy="nothing_saveable", scan_layers=True, mtp_num_layers=1,
+                        mla=MLAConfig(num_heads=2, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                      v_head_dim=128), moe=MoEConfig(num_experts=8, top_k=2, expert_dim=256))
+    chip = chips.chip("v5p")
+    program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=3), ParallelConfig(data=1),
+                                 TrainConfig(), rows=rows, seq_length=T, devices=chips.tpu_devices(chip, 1))
+    with backend.target("tpu"):
+        text = program.lower().compile().as_text()
+    weights, hits = weights_found(model)
+    planned = cost.program_cost(text, chip, branch_weights=weights)
+    assert hits, "the layer stack's mixer cond was not found by its named scope"
+    from lingpack.train import flops as flops_lib
+    analytic = flops_lib.flops_per_token(model, T) * rows * T
+    assert planned["flops"] == pytest.approx(analytic + measure.remat_flops(model, T, rows * T), rel=0.10)

@@ -121,6 +121,14 @@ def replica_group(line: str) -> list[int] | None:
     listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
     if listed:
         return [int(d) for d in listed.group(1).split(",") if d]
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)   # mesh['a'=2,'b'=4] {'b'}
+    if named:
+        sizes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", named.group(1))]
+        listed = re.findall(r"'([^']+)'", named.group(2))
+        ids = np.arange(math.prod(v for _, v in sizes)).reshape([v for _, v in sizes] or [1])
+        first = ids[tuple(slice(None) if k in listed else 0 for k, _ in sizes)]
+        order = [k for k, _ in sizes if k in listed]
+        return first.transpose([order.index(k) for k in listed]).reshape(-1).tolist() if listed else [0]
     iota = re.search(r"replica_groups=(\[[^ ,]*,[^ ]*)", line)
     groups = _expand_iota(iota.group(1)) if iota else None
     if groups:

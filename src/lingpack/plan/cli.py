@@ -52,6 +52,7 @@ class PlanConfig:
     conf_dir: str | None = None  # the Hydra config directory (default: ./conf, else the package's checkout)
     compiler: str | None = None  # "tpu" (XLA:TPU via libtpu; the default for TPU chips) or "cpu" (the XLA:CPU twin)
     topology: str | None = None  # TPU slice shape, e.g. 4x4x4 (default: chips.TOPOLOGIES' standard one)
+    save_hlo: str | None = None  # write the compiled program's HLO text there (the configured mesh's deepest compile)
 
     def __post_init__(self):
         if self.devices < 1:
@@ -164,7 +165,8 @@ def plan(rc, cfg: PlanConfig, *, log=print) -> dict:
         log(f"plan: mesh {name} on {cfg.devices} x {chip.name} ({where}) ...")
         try:
             results.append(measure.measure(rc, parallel, chip, devices[:cfg.devices], layers=cfg.layers,
-                                           export=cfg.export, compiler=compiler, log=log))
+                                           export=cfg.export, compiler=compiler, log=log,
+                                           save_hlo=cfg.save_hlo if parallel is configured else None))
         except measure.CompileFinding as err:   # the plan's finding: this mesh does not compile (or fit)
             log(f"plan: {name}: {err}")
             findings.append({"mesh": name, "finding": str(err)})

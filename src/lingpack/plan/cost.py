@@ -42,9 +42,11 @@ def traffic(kind: str, result_bytes: float, n: int | None, operand_bytes: float 
     return (operand_bytes if kind == "ragged-all-to-all" and operand_bytes else result_bytes) * factor
 
 
-def part(line: str) -> str:
-    """The model part an instruction belongs to, from its name stack."""
+def part(line: str) -> str | None:
+    """The model part an instruction belongs to, from its name stack (None: it has none)."""
     name = hlo.op_name(line)
+    if not name:
+        return None
     scopes = re.split(r"[/()]", name)
     for p in PARTS:
         if any(s == p or s.startswith(p) and s[len(p):].isdigit() for s in scopes):
@@ -52,6 +54,19 @@ def part(line: str) -> str:
     if "jvp(" in name or "transpose(" in name:
         return "layers (other)"
     return "optimizer, other"
+
+
+def _parts(ops) -> dict:
+    """name -> part of a computation's instructions; an instruction XLA made (no name stack, e.g. a ragged
+    dot's transposes) takes its operands' part, else the part most of its computation's instructions have."""
+    found = {op.name: part(op.line) for op in ops}
+    for _ in range(3):
+        for op in ops:
+            if found[op.name] is None:
+                found[op.name] = next((found[o] for o in op.operands if found.get(o)), None)
+    named = collections.Counter(v for v in found.values() if v)
+    common = named.most_common(1)[0][0] if named else "optimizer, other"
+    return {k: v or common for k, v in found.items()}
 
 
 def estimated_cycles(line: str) -> int | None:
@@ -86,7 +101,12 @@ def _conv_flops(op, shapes) -> float:
     kernel = hlo._dims(shapes.get(operands[1], "")) if len(operands) > 1 else ()
     if not labels or len(labels.group(1)) != len(kernel):
         return 0.0
-    k = math.prod(d for d, label in zip(kernel, labels.group(1)) if label != "o")
+    k = math.prod(d for d, label in zip(kernel, labels.group(1)) if label == "i")
+    window = re.search(r"window=\{([^}]*)\}", op.line)
+    sizes = [int(v) for v in re.findall(r"\d+", re.search(r"size=([\dx]+)", window.group(1)).group(1))] if window else []
+    dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1)) if window else None
+    dilations = [int(v) for v in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
+    k *= math.prod(-(-size // d) for size, d in zip(sizes, dilations))   # taps that land on the input, not its holes
     groups = re.search(r"feature_group_count=(\d+)", op.line)
     return 2.0 * out * k / (int(groups.group(1)) if groups else 1)
 
@@ -160,6 +180,7 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
     rows = {}
     for comp, ops in comps.items():
         shapes = {op.name: op.shape for op in ops}
+        parts = _parts(ops)
         starts = {}
         for index, op in enumerate(ops):
             key = (comp, op.name)
@@ -189,7 +210,7 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
             if opcode == "copy-start":
                 seconds = hlo.shape_bytes(shapes.get(op.operands[0], "")) / chip.hbm_bw if op.operands else 0.0
                 starts[op.name] = (index, seconds)
-                rows[key] = dict(op=op, kind="copy-start", part=part(op.line), flops=0.0, bytes=seconds * chip.hbm_bw,
+                rows[key] = dict(op=op, kind="copy-start", part=parts[op.name], flops=0.0, bytes=seconds * chip.hbm_bw,
                                  seconds=seconds, roofline_s=seconds, xla_s=None, basis="HBM")
                 continue
             if opcode in CONTAINERS or opcode.endswith("-done"):
@@ -213,7 +234,7 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
             else:
                 seconds = roof
             own[key] = seconds
-            rows[key] = dict(op=op, kind=name, part=part(op.line), flops=flops, bytes=bytes_, seconds=seconds,
+            rows[key] = dict(op=op, kind=name, part=parts[op.name], flops=flops, bytes=bytes_, seconds=seconds,
                              roofline_s=roof, xla_s=xla_s, basis=basis)
         # async pairs: the compute scheduled between start and done hides the transfer
         for index, op in enumerate(ops):

@@ -113,6 +113,23 @@ def _branches(op: Instruction, branch_weights) -> tuple[list[str], list[float]]:
     return branches, list(weights) if weights else [1.0] * len(branches)
 
 
+def trip_count(op: Instruction, comps: dict) -> int | None:
+    """A `while`'s trip count: XLA's `known_trip_count` (XLA:CPU prints it), else its condition's `i < N` against
+    a constant (XLA:TPU's loops from lax.scan / fori_loop, whose counter starts at 0 and steps by 1), else None."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.line)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", op.line)
+    body = comps.get(cond.group(1), []) if cond else []
+    root = next((i for i in body if i.root), None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.line:
+        return None
+    constants = {i.name: i for i in body if i.opcode == "constant"}
+    bound = constants.get(root.operands[1]) if len(root.operands) > 1 else None
+    value = re.search(r"constant\((-?\d+)\)", bound.line) if bound is not None else None
+    return int(value.group(1)) if value else None
+
+
 def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
     """(every instruction the program runs, with its execution count, loops whose trip count is unknown).
 
@@ -128,10 +145,10 @@ def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
         for op in comps.get(comp, []):
             found.append(Executed(op, times, fused, shapes[comp], comp))
             if op.opcode == "while":
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.line)
+                trip = trip_count(op, comps)
                 unknown[0] += trip is None
                 body = re.search(r"body=%?([\w.\-]+)", op.line).group(1)
-                visit(body, times * int(trip.group(1) if trip else 1), fused)
+                visit(body, times * (trip or 1), fused)
                 continue
             for key, callee in re.findall(r"(to_apply|calls)=%?([\w.\-]+)", op.line):
                 visit(callee, times, fused or key == "to_apply" or op.opcode == "fusion")

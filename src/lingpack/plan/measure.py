@@ -107,7 +107,7 @@ def _first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {useful[:400]}"
 
 
-def compiled_metrics(program, model_cfg, chip, compiler: str) -> dict:
+def compiled_metrics(program, model_cfg, chip, compiler: str, save_hlo: str | None = None) -> dict:
     """Numbers of the compiled per-device program (numeric, so that two depths extrapolate leaf by leaf)."""
     from lingpack import backend
     from lingpack.plan import cost as cost_lib
@@ -124,6 +124,9 @@ def compiled_metrics(program, model_cfg, chip, compiler: str) -> dict:
         raise CompileFinding(f"does not compile for {chip.name}: {_first_line(err)}") from None
     compile_s, compile_wall_s = time.process_time() - start, time.time() - wall
     text = compiled.as_text()
+    if save_hlo:
+        with open(save_hlo, "w") as f:
+            f.write(text)
     weights = branch_weights(model_cfg)
     m = compiled.memory_analysis()
     memory = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
@@ -214,7 +217,7 @@ def _depths(model, layers):
 
 
 def measure(rc, parallel, chip, devices, *, layers: int | None = None, export: bool = True, compiler: str = "tpu",
-            log=print) -> dict:
+            log=print, save_hlo: str | None = None) -> dict:
     """The plan of `rc` with mesh `parallel` on `len(devices)` chips of kind `chip`, compiled by XLA:TPU
     (`compiler="tpu"`, devices: TPU topology devices) or as the XLA:CPU twin (`"cpu"`, fake CPU devices)."""
     from lingpack.train import flops as flops_lib
@@ -241,7 +244,8 @@ def measure(rc, parallel, chip, devices, *, layers: int | None = None, export: b
     runs = []
     for depth in depths:
         cfg = compiled_model if len(depths) == 1 else dataclasses.replace(compiled_model, num_layers=depth)
-        got = compiled_metrics(program if cfg == model else _build(rc, cfg, parallel, devices), cfg, chip, compiler)
+        got = compiled_metrics(program if cfg == model else _build(rc, cfg, parallel, devices), cfg, chip, compiler,
+                               save_hlo if depth == depths[-1] else None)
         log(f"plan: compiled {depth} layers with XLA:{compiler.upper()} in {got['compile_wall_s']:.0f} s "
             f"({got['compile_cpu_s']:.0f} s CPU)")
         runs.append((len(cfg.scanned_layers()) if len(depths) > 1 else depth, got))

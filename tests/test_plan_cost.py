@@ -21,6 +21,7 @@ def compile_on(chip_name: str, f, *shapes):
     return chip, jax.jit(f).lower(*args).compile()
 
 
+@pytest.mark.slow   # XLA:TPU tiles [4096, 4096] matmuls for minutes on a loaded 2-core host
 def test_a_bf16_matmul_chain_is_planned_near_peak_with_its_exact_flops():
     """Four [4096, 4096] bf16 matmuls in a row on one v5p: 4 x 2 x 4096^3 FLOPs, planned at >= 90% of peak."""
     n = 4096
@@ -43,6 +44,7 @@ def test_the_traffic_of_a_fused_elementwise_program():
     assert planned["roofline_s"] <= planned["step_s"] < 1.5 * planned["roofline_s"]
 
 
+@pytest.mark.slow   # as above, at 8192
 def test_a_loop_free_program_is_within_10_percent_of_xla_tpus_optimal_seconds():
     """An 8192-wide layer, tanh(x @ w + b), on one v6e: XLA:TPU's own `optimal_seconds` for the whole program
     against the plan summed instruction by instruction."""

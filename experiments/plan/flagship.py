@@ -119,9 +119,12 @@ def table(res: dict) -> str:
     for key, r in sorted(res.items()):
         if "error" in r or "cost" not in r.get("breakdown", {}):
             continue
-        parts = r["breakdown"]["cost"]["by_part"]
+        parts = sorted(r["breakdown"]["cost"]["by_part"].items(), key=lambda kv: -kv[1])
+        top = r["breakdown"].get("top", [])[:3]
         lines += ["", f"Where the step's time goes ({key}, XLA:TPU's program costed by `lingpack.plan.cost`): "
-                  + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts.items() if v >= 5e-4) + "."]
+                  + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts if v >= 5e-4) + "; costliest instructions: "
+                  + "; ".join(f"{t['op']} {t['seconds'] * 1e3:.0f} ms over {t['runs']:.0f} runs" for t in top) + "."]
+        lines += [f"Note ({key}): {n}" for n in r.get("notes", []) if n.startswith("the XLA:TPU compile is of")]
     commits = sorted({r.get("commit", "?") for r in res.values() if isinstance(r, dict)})
     lines += ["", f"Measured at commit {', '.join(commits)}: XLA:TPU (libtpu 0.0.42.1) compiling for each slice's "
               "topology on a shared 2-core CPU host, no TPU attached; `python -m experiments.plan.flagship` "

@@ -206,6 +206,6 @@ def test_layer_stack_matmul_flops_equal_the_unrolled_models():
         found = (lambda op: hits.append(op.name) or weights(op) if weights(op) else None) if weights else None
         flops[scan] = (hlo.dot_flops(text, found), hlo.dot_flops(text))
         assert (weights is None) == (not scan)
-        assert bool(hits) == scan, "the layer stack's mixer cond is found by its named scope
+        assert bool(hits) == scan, "the layer stack's mixer cond is found by its named scope"
     assert flops[True][0] == pytest.approx(flops[False][0], rel=0.03)
     assert flops[True][1] > 1.2 * flops[False][0]

@@ -32,9 +32,9 @@ RUN = ("src/lingpack", "conf", "run.py")
 # what one compiled model step reads (no data pipeline, no tracking)
 STEP = ("src/lingpack/models", "src/lingpack/kernels", "src/lingpack/parallel", "src/lingpack/backend.py",
         *(f"src/lingpack/train/{m}.py" for m in ("configs", "loss", "optim", "program", "sharding", "step")),
-        "src/lingpack/hlo.py", "src/lingpack/config.py", "src/lingpack/precision.py", "conf/model", "conf/kernel")
+        "src/lingpack/plan/hlo.py", "src/lingpack/config.py", "src/lingpack/precision.py", "conf/model", "conf/kernel")
 ATTENTION_CP = ("src/lingpack/parallel", "src/lingpack/kernels/attention", "src/lingpack/models/mla.py",
-                "src/lingpack/hlo.py")
+                "src/lingpack/plan/hlo.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +83,7 @@ BLOCKS = {
                               (*RUN, "experiments/context_parallel/context_schedule.py"),
                               "python -m experiments.context_parallel.context_schedule"),
     "plan_flagship": Block("experiments/plan/results/flagship.json", "experiments.plan.flagship:table",
-                           (*STEP, "src/lingpack/plan", "src/lingpack/plan.py", "src/lingpack/plan_measure.py",
-                            "src/lingpack/chips.py", "experiments/plan/flagship.py"),
+                           (*STEP, "src/lingpack/plan", "experiments/plan/flagship.py"),
                            "python -m experiments.plan.flagship --rerun"),
     "cp_attribution": Block("experiments/context_parallel/results/attribution.json",
                             "experiments.context_parallel.attribution:table",

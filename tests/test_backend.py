@@ -3,7 +3,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lingpack import backend, hlo
+from lingpack import backend
+from lingpack.plan import hlo
 from lingpack.errors import ConfigError
 from lingpack.kernels.attention.api import attention
 

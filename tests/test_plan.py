@@ -15,7 +15,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lingpack import chips, hlo, plan, plan_measure
+from lingpack import plan
+from lingpack.plan import chips, hlo
+from lingpack.plan import measure as plan_measure
 from lingpack.errors import ConfigError
 from lingpack.models.ling3 import Ling3Output
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -58,7 +60,7 @@ def bigram_plan(fsdp: int, chip="v5p", micro_batches=2, rows=16, T=128):
                                data=types.SimpleNamespace(seq_length=T, global_batch_size=rows))
     parallel = ParallelConfig(data=1, fsdp=fsdp)
     return cfg, plan_measure.measure(rc, parallel, chips.chip(chip), jax.devices()[:fsdp], export=False,
-                                     log=lambda m: None)
+                                     compiler="cpu", log=lambda m: None)
 
 
 def test_a_model_whose_bytes_and_flops_are_known_by_hand():
@@ -98,7 +100,7 @@ def test_search_plans_the_neighbouring_meshes_and_recommends_the_cheapest_that_f
     rc = types.SimpleNamespace(model=cfg, loss=LossConfig(), optim=OptimConfig(decay_steps=10),
                                train=TrainConfig(micro_batches=2), parallel=ParallelConfig(data=1, fsdp=8),
                                data=types.SimpleNamespace(seq_length=128, global_batch_size=16))
-    out = plan.plan(rc, plan.PlanConfig(devices=8, search=True, search_max=2, export=False), log=lambda m: None)
+    out = plan.plan(rc, plan.PlanConfig(devices=8, search=True, search_max=2, export=False, compiler="cpu"), log=lambda m: None)
     assert out["mesh"] == "fsdp=8" and [c["mesh"] for c in out["candidates"]] == ["fsdp=8", "data=2 x fsdp=4"]
     best = min((c for c in out["candidates"] if c["fits"]), key=lambda c: c["est_step_s"])
     assert out["recommended"] == best["mesh"]
@@ -127,15 +129,40 @@ def test_config_is_composed_like_run_py_and_bad_input_is_one_line():
     assert rc.data.paths == () and rc.parallel.fsdp == 8 and rc.optim.decay_steps is not None
     with pytest.raises(ConfigError, match="plan.chip='tpu7'.*v5p"):
         plan.plan_config({"chip": "tpu7"})
-    with pytest.raises(ConfigError, match="no Hydra config.*plan.conf_dir"):
+    with pytest.raises(ConfigError, match="no run config"):
         plan.find_conf_dir("/nonexistent")
     with pytest.raises(ConfigError, match="kernel.name='nope'"):
         plan.run_config(plan.compose(["kernel.name=nope"], plan.find_conf_dir(str(ROOT / "conf"))))
 
 
+def test_a_mesh_that_does_not_match_the_devices_is_one_line_and_one_device_becomes_data_parallel():
+    from lingpack.plan import cli
+    rc = plan.run_config(plan.compose(["model=ling3_tiny"], plan.find_conf_dir(str(ROOT / "conf"))))
+    said = []
+    assert cli.configured_mesh(rc, 8, log=said.append).data == 8 and "data=8" in said[0]   # parallel=single
+    bad = dataclasses.replace(rc, parallel=dataclasses.replace(rc.parallel, fsdp=4, data=1))
+    with pytest.raises(ConfigError, match="plan.devices=8: mesh axes .* multiply to 4"):
+        cli.configured_mesh(bad, 8)
+    proc = subprocess.run([sys.executable, "-m", "lingpack.plan", "model=ling3_tiny", "parallel.fsdp=3",
+                           "plan.devices=8", "plan.chip=v5p"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("Error: plan.devices=8")
+    assert "Traceback" not in proc.stderr
+
+
+def test_gpu_chips_are_planned_on_the_twin_with_the_gpu_side_of_the_moe():
+    rc = plan.run_config(plan.compose(["model=ling3_tiny", "kernel=pallas_segment"], plan.find_conf_dir(str(ROOT / "conf"))))
+    assert plan.PlanConfig(chip="h100").backend == "cpu" and plan.PlanConfig(chip="v5e").backend == "tpu"
+    assert plan.PlanConfig(chip="v5p", compiler="cpu").backend == "cpu"
+    twin = plan_measure.twin(rc.model, "gpu")
+    assert twin.kda_impl == "chunked" and twin.moe.grouped_matmul == "tiled"            # XLA ops, the GPU's MoE
+    assert twin.attention_impl == plan_measure.platform_attention(rc.model, "gpu") != "splash"
+    with pytest.raises(ConfigError, match="plan.compiler=tpu compiles for TPU chips"):
+        plan.PlanConfig(chip="h200", compiler="tpu")
+
+
 @pytest.mark.slow
 def test_cli_plans_a_small_model_and_writes_the_json(tmp_path):
-    """The command line end to end on ling3_tiny with splash and pallas_segment: TPU export, CPU twin compile."""
+    """The command line end to end on ling3_tiny with splash and pallas_segment, compiled by XLA:TPU for 8 v5p."""
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "lingpack.plan", "parallel=fsdp_tensor", "kernel=pallas_segment",
                            "model.attention_impl=splash", "plan.devices=8", "plan.chip=v5p", f"plan.output={out}"],
@@ -143,9 +170,11 @@ def test_cli_plans_a_small_model_and_writes_the_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert set(plan.OUTPUT_KEYS) <= set(result) and result["fits"]
-    assert result["export"]["lowers"] and result["export"]["interpret_kernels"] == {}
-    assert {"kda_segment_fwd", "splash_mha_fwd_segmented_residuals"} <= set(result["export"]["mosaic_kernels"])
-    assert "est. step" in proc.stdout
+    assert result["compiler"] == "xla_tpu" and result["export"]["interpret_kernels"] == {}
+    assert "kda_segment_fwd" in result["export"]["mosaic_kernels"]
+    assert any(k.startswith("splash") for k in result["export"]["mosaic_kernels"]), result["export"]["mosaic_kernels"]
+    assert result["est_step_s"] >= result["step_flops"]["analytic"] / chips.chip("v5p").peak_flops
+    assert "est. step" in proc.stdout and "XLA:TPU" in proc.stdout
 
 
 def test_a_tpu_only_kernel_planned_for_a_gpu_is_the_one_line_error():
@@ -173,7 +202,10 @@ def test_layer_stack_matmul_flops_equal_the_unrolled_models():
         program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=3), ParallelConfig(data=1),
                                      TrainConfig(), rows=2, seq_length=64, devices=jax.devices()[:1])
         text = program.lower().compile().as_text()
-        flops[scan] = (hlo.dot_flops(text, plan_measure.branch_weights(model)), hlo.dot_flops(text))
-        assert (plan_measure.branch_weights(model) is None) == (not scan)
+        weights, hits = plan_measure.branch_weights(model), []
+        found = (lambda op: hits.append(op.name) or weights(op) if weights(op) else None) if weights else None
+        flops[scan] = (hlo.dot_flops(text, found), hlo.dot_flops(text))
+        assert (weights is None) == (not scan)
+        assert bool(hits) == scan, "the layer stack's mixer cond is found by its named scope"
     assert flops[True][0] == pytest.approx(flops[False][0], rel=0.03)
     assert flops[True][1] > 1.2 * flops[False][0]

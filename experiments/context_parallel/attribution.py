@@ -5,7 +5,7 @@
 
 One train step (the model_memory.py configuration: ling3_tiny, B=1, fp32, ring MLA, zigzag; `TrainProgram`)
 is compiled per (T, CP) for CP devices on `context`, with XLA's buffer dump; every value live at the peak
-of the buffer assignment (`lingpack.hlo.peak_buffers`) is attributed to the named scope that produced it
+of the buffer assignment (`lingpack.plan.hlo.peak_buffers`) is attributed to the named scope that produced it
 (`embed`, `layer<i>/<mixer or ffn>`, `head`, `mtp<d>`; the optimizer update and the entry parameters
 outside them). The table gives each part's bytes at CP=1 and at each CP, and its share of the CP=1 bytes
 (the goal is 1/CP for whatever grows with T). Each compile runs in its own subprocess; nothing runs.
@@ -33,7 +33,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from experiments.provenance import commit  # noqa: E402
-from lingpack import hlo  # noqa: E402
+from lingpack.plan import hlo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/context_parallel/results"

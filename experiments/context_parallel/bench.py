@@ -45,7 +45,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from experiments.provenance import commit  # noqa: E402
-from lingpack import hlo  # noqa: E402
+from lingpack.plan import hlo  # noqa: E402
 from lingpack.models.mla import MLA, MLAConfig  # noqa: E402
 from lingpack.parallel.context import ContextParallel, context_attention, context_parallel  # noqa: E402
 from lingpack.parallel.reorder import zigzag_permutation  # noqa: E402

@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 
 import yaml  # noqa: E402
 
-from lingpack import hlo as hlo_lib  # noqa: E402
+from lingpack.plan import hlo as hlo_lib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/context_parallel/results"
@@ -56,7 +56,7 @@ KINDS = ("all-gather", "collective-permute", "all-reduce", "reduce-scatter", "al
 
 
 def collectives(hlo: str) -> dict:
-    """lingpack.hlo's per-kind executed collectives, stamped with the counter version the table reads."""
+    """lingpack.plan.hlo's per-kind executed collectives, stamped with the counter version the table reads."""
     return dict(hlo_lib.collectives(hlo), counter=COUNTER)
 
 

@@ -7,7 +7,7 @@ The MLA layer of bench.py part 1 (B=1, 8 heads, emb 256, block 512, fp32, forwar
 for `ring` at context=8 (zigzag) and for `blockwise` (the same tile kernel on one device), with XLA's
 buffer dump, under XLA:CPU's default scheduler and under its memory-optimized one (each scheduler in its
 own subprocess: XLA reads the flag once per process). Every value live at the buffer-assignment peak
-(`lingpack.hlo.peak_buffers`) is put in one kind by the instruction that produced it. Nothing runs.
+(`lingpack.plan.hlo.peak_buffers`) is put in one kind by the instruction that produced it. Nothing runs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from lingpack import hlo  # noqa: E402
+from lingpack.plan import hlo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/context_parallel/results"

@@ -11,7 +11,7 @@ D=1536, expert width 512, bf16 compute, fp32 parameters), forward + backward (gr
 and of the input), compiled for 8 fake CPU devices with 8192 tokens per device on the meshes expert=8 and
 expert=4 x data=2: `moe.expert_parallel=gather`, `all_to_all`, and `all_to_all` in 8 rounds
 (`moe.expert_parallel_chunks=8`). Per device: the executed collectives of the compiled HLO by kind
-(`lingpack.hlo.collectives`, the planner's count: result bytes x executions) and XLA's buffer assignment
+(`lingpack.plan.hlo.collectives`, the planner's count: result bytes x executions) and XLA's buffer assignment
 (`memory_analysis()`). The CPU program exchanges worst-case-sized dense buffers (XLA:CPU has no ragged
 all-to-all); the TPU/GPU program's ragged all-to-all moves only the routed rows: the "ragged" column is the
 CPU program's row exchanges scaled to the rows routed off the device under balanced routing.
@@ -43,7 +43,7 @@ import yaml  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from lingpack import hlo  # noqa: E402
+from lingpack.plan import hlo  # noqa: E402
 from lingpack.models.kda import KDAConfig  # noqa: E402
 from lingpack.models.ling3 import Ling3Config, config_from_dict  # noqa: E402
 from lingpack.models.mla import MLAConfig  # noqa: E402

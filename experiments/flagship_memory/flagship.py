@@ -11,7 +11,7 @@ on fd 2 captured), abstractly (`TrainProgram.lower().compile()`, nothing runs), 
   MoE's global token rows (rows * T, rows * T * top_k): activations of every row on every device;
 * `remat_warnings`: XLA's "Involuntary full rematerialization" messages (the partitioner replicating a tensor);
 * `memory_analysis()`: temporaries and arguments per device;
-* with `--attribute`: the values live at the peak of XLA:CPU's buffer assignment (`lingpack.hlo.peak_buffers`),
+* with `--attribute`: the values live at the peak of XLA:CPU's buffer assignment (`lingpack.plan.hlo.peak_buffers`),
   grouped by the model part that made them (the named scopes: embed, layer<i>, stack, head, mtp<d>) and by op.
 
 Writes results/flagship.json (one entry per case, merged into what is there). Each compile needs 10-30 GiB
@@ -77,7 +77,7 @@ def one(name: str, attribute: bool) -> dict:
     """Compile one case in this process (its device count already set) and measure it."""
     import jax
 
-    from lingpack import hlo
+    from lingpack.plan import hlo
     from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
     from lingpack.train.program import TrainProgram
 

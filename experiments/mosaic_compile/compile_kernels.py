@@ -15,7 +15,7 @@ Roofline (the flagship's kernel and gate, `pallas_segment` + safe gate): per ker
 and the per-step counts of `pallas_common.step_cost`, the time at the chip's peak bf16 FLOP/s of the matmul
 FLOPs as issued (fp32 products at 6 bf16 passes), of the same padded to the MXU's tile (every dot_general's
 contraction and output width rounded up to the MXU width: 128 on v5e/v5p, 256 on v6e, the better
-orientation taken), and of its bytes at HBM bandwidth (lingpack/chips.py). A model from block shapes, not a
+orientation taken), and of its bytes at HBM bandwidth (lingpack/plan/chips.py). A model from block shapes, not a
 measurement: no TPU ran these kernels.
 """
 
@@ -81,7 +81,7 @@ def mxu_padding(dots: list[dict], width: int) -> dict:
 def compile_all() -> dict:
     import jax
 
-    from lingpack import chips
+    from lingpack.plan import chips
     from lingpack.kernels import mosaic
     from lingpack.kernels.attention import splash
     from lingpack.kernels.kda import pallas_common
@@ -171,7 +171,7 @@ def roofline_table(result: dict) -> str:
     lines = ["`pallas_segment`, lower-bound gate, the flagship's KDA layer (B=1, T=8192, H=16, K=V=128, chunk 64, "
              "bf16), forward + gradient, per kernel: its declared FLOPs (matmul + elementwise) and bytes; the time of "
              "its matmuls at the chip's peak as issued (fp32 products at 6 bf16 passes) and padded to the MXU tile "
-             "(MXU use = issued / padded); its bytes at HBM bandwidth. Model from block shapes (lingpack/chips.py "
+             "(MXU use = issued / padded); its bytes at HBM bandwidth. Model from block shapes (lingpack/plan/chips.py "
              "figures), not a TPU measurement.", "",
              "| chip (MXU) | kernel | GFLOP | MB | matmul at peak, issued ms | padded to the MXU ms | MXU use | HBM ms |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]

@@ -1,22 +1,18 @@
-"""The flagship on 64-chip slices: `python -m lingpack.plan` for a few meshes per scenario, the cheapest that fits.
+"""The flagship on 64-chip TPU slices: `python -m lingpack.plan`, compiled by XLA:TPU for each slice's topology.
 
     python -m experiments.plan.flagship                 # plan what is missing, then write the tables
     python -m experiments.plan.flagship --rerun         # plan everything again (e.g. after the model changed)
     python -m experiments.plan.flagship --table-only    # re-render the docs blocks from results/flagship.json
-    python -m experiments.plan.flagship --only t8k/configured   # plan some keys only (the rest stays as it is)
+    python -m experiments.plan.flagship --only v5p/t8k/configured   # plan some keys only (the rest stays)
 
-Scenarios (conf/model/ling3_flagship.yaml, kernel=pallas_segment, attention splash, 64 devices):
-  t8k     T=8192, 64 rows (512K tokens a step); the configured mesh fsdp=8 x expert=8, then the planner's
-          other candidates (`lingpack.plan_measure.candidate_meshes`)
-  t128k   T=131072, 8 rows (1M tokens a step), context parallelism (ring, zigzag); configured expert=8 x
-          context=8, then the candidates
-  depth   t8k's configured mesh planned from 9 and 13 compiled layers (`plan.layers=9`), against the full
-          24-layer compile: the per-layer extrapolation's error
-Each (scenario, mesh) is one `python -m lingpack.plan ... plan.chip=v5p plan.output=...` process (its wall
-and CPU time recorded); v6e is the same measurement judged on v6e's figures (`plan_measure.assess`: the
-compiled program does not depend on the chip, both are TPUs). Results merge into results/flagship.json as
-they arrive (an interrupted run keeps them); the recommended mesh per scenario and chip is the lowest
-roofline step time among the plans that fit.
+Scenarios (conf/model/ling3_flagship.yaml, kernel=pallas_segment, attention splash, 64 chips), each planned
+per chip (v5p: topology 4x4x4, v6e: 8x8; `lingpack.plan.chips.TOPOLOGIES`), keys "<chip>/<scenario>/<mesh>":
+  t8k     T=8192, 64 rows (512K tokens a step); the configured mesh fsdp=8 x expert=8, then (`--search`) the
+          planner's other candidates (`lingpack.plan.measure.candidate_meshes`)
+  t128k   T=131072, 8 rows (1M tokens a step), context parallelism (ring, zigzag); expert=8 x context=8
+Each plan is one `python -m lingpack.plan ... plan.chip=<chip> plan.output=...` process (its wall and CPU
+time recorded). results/flagship_xla_cpu.json holds the earlier plans of the XLA:CPU twin (64 fake CPU
+devices), kept as a labelled comparison: its times came from XLA:CPU's fusions, not the TPU program.
 """
 
 from __future__ import annotations
@@ -34,8 +30,10 @@ from experiments.provenance import commit
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments/plan/results"
 ARTIFACT = OUT / "flagship.json"
+TWIN = OUT / "flagship_xla_cpu.json"   # the XLA:CPU twin's plans (comparison only)
 DEVICES = 64
 CHIPS = ("v5p", "v6e")
+PLANNED = {"v5p": ("t8k", "t128k"), "v6e": ("t8k",)}   # chip -> scenarios, in the order they are planned
 BASE = ["model=ling3_flagship", "kernel=pallas_segment", "parallel.data=1", "parallel.fsdp=1", "parallel.tensor=1",
         "parallel.expert=1", "parallel.context=1"]
 SCENARIOS = {
@@ -52,15 +50,16 @@ def mesh_overrides(parallel) -> list[str]:
 
 def meshes(scenario: str) -> list[list[str]]:
     """Override lists of the meshes to plan for `scenario`: the configured one, then the planner's candidates."""
-    from lingpack import plan, plan_measure
+    from lingpack import plan
+    from lingpack.plan import measure as plan_measure
     rc = plan.run_config(plan.compose(SCENARIOS[scenario], plan.find_conf_dir(str(ROOT / "conf"))))
     return [[]] + [mesh_overrides(p) for p in plan_measure.candidate_meshes(rc, DEVICES, SEARCH - 1)]
 
 
-def run_plan(overrides: list[str], timeout: int) -> dict:
+def run_plan(overrides: list[str], timeout: int, chip: str = "v5p") -> dict:
     """One `python -m lingpack.plan` process: its JSON plus wall and CPU seconds (the process and its children)."""
     out = OUT / "tmp_plan.json"
-    cmd = [sys.executable, "-m", "lingpack.plan", *overrides, f"plan.devices={DEVICES}", "plan.chip=v5p",
+    cmd = [sys.executable, "-m", "lingpack.plan", *overrides, f"plan.devices={DEVICES}", f"plan.chip={chip}",
            f"plan.output={out}"]
     print(" ".join(cmd[1:]), flush=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -79,69 +78,57 @@ def run_plan(overrides: list[str], timeout: int) -> dict:
     return result
 
 
-def judged(result: dict, chip: str) -> dict:
-    from lingpack import chips, plan_measure
-    return plan_measure.assess(result, chips.chip(chip))
-
-
-def recommended(res: dict, scenario: str, chip: str) -> dict | None:
-    plans = [judged(r, chip) for k, r in res.items() if k.startswith(f"{scenario}/") and "error" not in r]
-    return min((p for p in plans if p["fits"]), key=lambda p: p["est_step_s"], default=None)
-
-
 def gib(b: float) -> str:
     return f"{b / 2**30:.1f}"
 
 
+def _twin(key: str) -> dict | None:
+    """The XLA:CPU twin's plan of the same scenario and mesh (v5p's compile; judged on `chip` by its roofline)."""
+    if not TWIN.exists():
+        return None
+    chip, rest = key.split("/", 1)
+    twin = json.loads(TWIN.read_text()).get(rest)
+    if not twin or "error" in twin:
+        return None
+    from lingpack.plan import chips
+    from lingpack.plan import measure as plan_measure
+    return plan_measure.assess(twin, chips.chip(chip))
+
+
 def table(res: dict) -> str:
-    """The docs block: the recommended mesh per scenario and chip, every mesh planned, the depth extrapolation."""
-    title = {"t8k": "T=8192, 64 rows", "t128k": "T=131072 (128K), 8 rows, context parallel (ring)"}
-    lines = ["| scenario | chip | recommended mesh | per device (GiB) | HBM (GiB) | est. step | MFU at est. |",
-             "|---|---|---|---|---|---|---|"]
-    for scenario in SCENARIOS:
-        for chip in CHIPS:
-            best = recommended(res, scenario, chip)
-            if best is None:
-                plans = [judged(r, chip) for k, r in res.items() if k.startswith(f"{scenario}/") and "error" not in r]
-                least = min(plans, key=lambda p: p["per_device_bytes"], default=None)
-                if least is None:
-                    continue
-                lines.append(f"| {title[scenario]} | {DEVICES} x {chip} | none fits (least memory: {least['mesh']}) | "
-                             f"{gib(least['per_device_bytes'])} | {gib(least['hbm_bytes'])} | - | - |")
-                continue
-            lines.append(f"| {title[scenario]} | {DEVICES} x {chip} | {best['mesh']} | {gib(best['per_device_bytes'])} "
-                         f"| {gib(best['hbm_bytes'])} | {best['est_step_s'] * 1e3:.0f} ms | {best['mfu_at_est']:.1%} |")
-    lines += ["", "Every mesh planned (per device; roofline on v5p; state = parameters + optimizer + model state, "
-              "exact; temporaries: XLA:CPU):", "",
-              "| scenario | mesh | state (GiB) | temporaries (GiB) | total (GiB) | fits v5p / v6e | collectives (GiB) "
-              "| est. step v5p / v6e | planner wall / CPU |", "|---|---|---|---|---|---|---|---|---|"]
+    """The docs block: every (chip, scenario, mesh) XLA:TPU planned, the XLA:CPU twin beside it as a comparison."""
+    title = {"t8k": "T=8192, 64 rows", "t128k": "T=131072, 8 rows, CP ring"}
+    lines = ["| chip | scenario | mesh | XLA:TPU per device (GiB) | HBM (GiB) | fits | est. step | MFU at est. "
+             "| compiled / analytic+remat FLOPs | XLA:TPU compile wall | XLA:CPU twin (comparison): per device, est. step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in sorted(res.items()):
-        scenario = key.split("/")[0]
+        chip, scenario, _ = (key.split("/") + ["", ""])[:3]
         if scenario not in SCENARIOS:
             continue
         if "error" in r:
-            lines.append(f"| {scenario} | {key.split('/', 1)[1]} | {r['error']} | | | | | | |")
+            lines.append(f"| {chip} | {title[scenario]} | {key.split('/', 2)[2]} | {r['error']} | | | | | | | |")
             continue
-        b = r["breakdown"]
-        state = sum(b["state_bytes"].values())
-        v5p, v6e = judged(r, "v5p"), judged(r, "v6e")
-        lines.append(f"| {scenario} | {r['mesh']} | {gib(state)} | {gib(b['compiled']['temp'])} | "
-                     f"{gib(r['per_device_bytes'])} | {'yes' if v5p['fits'] else 'no'} / {'yes' if v6e['fits'] else 'no'} "
-                     f"| {gib(sum(r['collective_bytes'].values()))} | {v5p['est_step_s'] * 1e3:.0f} / "
-                     f"{v6e['est_step_s'] * 1e3:.0f} ms | {r['timing']['wall_s'] / 60:.1f} / {r['timing']['cpu_s'] / 60:.1f} min |")
-    full, part = res.get("t8k/configured"), res.get("depth/configured")
-    if full and part and "error" not in full and "error" not in part:
-        rel = lambda f: f(part) / f(full) - 1
-        checks = {"temporaries": lambda r: r["breakdown"]["compiled"]["temp"],
-                  "per-device total": lambda r: r["per_device_bytes"], "HLO matmul FLOPs": lambda r: r["step_flops"]["hlo_dots"],
-                  "collective bytes": lambda r: sum(r["collective_bytes"].values()),
-                  "HBM traffic": lambda r: r["breakdown"]["hbm_traffic_bytes"]}
-        lines += ["", f"Per-layer extrapolation (t8k, {full['mesh']}): compiled at {DEPTH_LAYERS} and "
-                  f"{DEPTH_LAYERS + 4} layers and scaled to 24, against the 24-layer compile: "
-                  + ", ".join(f"{name} {rel(f):+.1%}" for name, f in checks.items()) + "."]
+        f = r["step_flops"]
+        twin = _twin(key)
+        compare = (f"{gib(twin['per_device_bytes'])} GiB, {twin['est_step_s']:.1f} s" if twin else "-")
+        wall = sum(r["breakdown"].get("compile_wall_s", [0]))
+        lines.append(f"| {DEVICES} x {chip} | {title[scenario]} | {r['mesh']} | {gib(r['per_device_bytes'])} | "
+                     f"{gib(r['hbm_bytes'])} | {'yes' if r['fits'] else 'no'} | {r['est_step_s'] * 1e3:.0f} ms | "
+                     f"{r['mfu_at_est']:.1%} | {f['compiled'] / (f['analytic'] + f['remat']):.2f} | "
+                     f"{wall / 60:.1f} min | {compare} |")
+    for key, r in sorted(res.items()):
+        if "error" in r or "cost" not in r.get("breakdown", {}):
+            continue
+        parts = sorted(r["breakdown"]["cost"]["by_part"].items(), key=lambda kv: -kv[1])
+        top = r["breakdown"].get("top", [])[:3]
+        lines += ["", f"Where the step's time goes ({key}, XLA:TPU's program costed by `lingpack.plan.cost`): "
+                  + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts if v >= 5e-4) + "; costliest instructions: "
+                  + "; ".join(f"{t['op']} {t['seconds'] * 1e3:.0f} ms over {t['runs']:.0f} runs" for t in top) + "."]
+        lines += [f"Note ({key}): {n}" for n in r.get("notes", []) if n.startswith("the XLA:TPU compile is of")]
     commits = sorted({r.get("commit", "?") for r in res.values() if isinstance(r, dict)})
-    lines += ["", f"Measured at commit {', '.join(commits)}: 64 fake CPU devices on a shared 2-core host; "
-              "`python -m experiments.plan.flagship` regenerates this block."]
+    lines += ["", f"Measured at commit {', '.join(commits)}: XLA:TPU (libtpu 0.0.42.1) compiling for each slice's "
+              "topology on a shared 2-core CPU host, no TPU attached; `python -m experiments.plan.flagship` "
+              "regenerates this block."]
     return "\n".join(lines) + "\n"
 
 
@@ -157,23 +144,30 @@ def write(res: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rerun", action="store_true", help="plan every mesh again")
+    parser.add_argument("--rerun", action="store_true", help="plan every key again")
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--search", action="store_true", help="also plan the planner's candidate meshes")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per planner process")
-    parser.add_argument("--only", nargs="+", metavar="KEY", help="plan only these keys (e.g. t8k/configured)")
+    parser.add_argument("--only", nargs="+", metavar="KEY", help="plan only these keys (e.g. v5p/t8k/configured)")
+    parser.add_argument("--ingest", nargs=2, metavar=("KEY", "PLAN_JSON"),
+                        help="record the plan.output of a `python -m lingpack.plan` run made by hand under KEY")
     args = parser.parse_args()
     res = {} if args.rerun or not ARTIFACT.exists() else json.loads(ARTIFACT.read_text())
+    if args.ingest:
+        key, path = args.ingest
+        res[key] = dict(json.loads(Path(path).read_text()), commit=commit())
+        args.table_only = True
     if not args.table_only:
         todo = []
-        for scenario in SCENARIOS:
-            for extra in meshes(scenario):
-                key = f"{scenario}/" + ("configured" if not extra else " ".join(e.split(".", 1)[1] for e in extra))
-                todo.append((key, SCENARIOS[scenario] + extra))
-        todo.append(("depth/configured", SCENARIOS["t8k"] + [f"plan.layers={DEPTH_LAYERS}"]))
-        for key, overrides in todo:
+        for chip, scenarios in PLANNED.items():
+            for scenario in scenarios:
+                for extra in (meshes(scenario) if args.search else [[]]):
+                    mesh = "configured" if not extra else " ".join(e.split(".", 1)[1] for e in extra)
+                    todo.append((f"{chip}/{scenario}/{mesh}", SCENARIOS[scenario] + extra, chip))
+        for key, overrides, chip in todo:
             if (key in res and "error" not in res[key]) or (args.only and key not in args.only):
                 continue
-            res[key] = run_plan(overrides, args.timeout)
+            res[key] = run_plan(overrides, args.timeout, chip)
             write(res)
     write(res)
     print(table(res))

@@ -4,14 +4,15 @@ Its numerics against torch's per-document SDPA (interpret mode) are in test_atte
 GPU run traces it (the backend target), forward and backward lower to Triton custom calls inside
 `kernels/shard.py`'s shard_map, on each shard's rows and heads, none in interpret mode; the kernel without
 the mapping exports on global shapes (the check can fail), and interpret mode is seen in the traced jaxpr
-(`lingpack.hlo.pallas_kernels`).
+(`lingpack.plan.hlo.pallas_kernels`).
 """
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lingpack import backend, hlo
+from lingpack import backend
+from lingpack.plan import hlo
 from lingpack.kernels.attention import pallas_triton
 from lingpack.kernels.attention.api import attention
 from tests.kernels.sharded_attention_cases import check_sharded_equals_single_device, data_tensor_mesh

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lingpack import backend, hlo
+from lingpack import backend
+from lingpack.plan import hlo
 from lingpack.kernels.attention import splash
 from lingpack.kernels.attention.api import attention
 from tests.kernels.sharded_attention_cases import check_sharded_equals_single_device, data_tensor_mesh

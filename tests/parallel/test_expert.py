@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from lingpack import backend, hlo
+from lingpack import backend
+from lingpack.plan import hlo
 from lingpack.errors import ConfigError
 from lingpack.models.moe import MoEConfig
 from lingpack.parallel import expert

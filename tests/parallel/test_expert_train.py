@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from lingpack import hlo
+from lingpack.plan import hlo
 from lingpack.models.kda import KDAConfig
 from lingpack.models.ling3 import Ling3Config
 from lingpack.models.mla import MLAConfig

@@ -19,8 +19,9 @@ import jax
 import pytest
 import yaml
 
-from lingpack import backend, hlo
+from lingpack import backend
 from lingpack.kernels import mosaic
+from lingpack.plan import hlo
 from lingpack.models.kda import KDAConfig
 from lingpack.models.ling3 import Ling3Config
 from lingpack.models.mla import MLAConfig

@@ -4,7 +4,7 @@ Each test builds the run's real step (`TrainProgram`: forward, backward, AdamW, 
 micro-batches) from the config files run.py composes (`kernel=chunked`, the model's `attention_impl:
 auto`) on an 8-device `fsdp=2 x tensor=2 x expert=2` mesh. Every Pallas kernel of the step must be the
 Triton attention kernel (pallas_triton) inside its shard_map: no TPU custom call, and no pallas_call in
-interpret mode anywhere in the traced jaxpr (`lingpack.hlo.pallas_kernels`). With `attention_impl:
+interpret mode anywhere in the traced jaxpr (`lingpack.plan.hlo.pallas_kernels`). With `attention_impl:
 splash` the same trace is a ConfigError (tests/test_backend.py); tests/kernels/test_attention_triton.py
 shows that both checks can fail.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lingpack import hlo
+from lingpack.plan import hlo
 from lingpack import config as config_lib
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.program import TrainProgram

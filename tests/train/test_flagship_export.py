@@ -4,7 +4,7 @@ Each test builds the run's real step (`TrainProgram`: forward, backward, AdamW, 
 micro-batches, the layer stack) from the config files run.py composes, traces it as a TPU run traces
 it (`lingpack.backend.target("tpu")`, `kernel.interpret` left unset) and exports it with `jax.export`.
 Every Pallas kernel must lower through Mosaic inside its shard_map: the Mosaic calls are counted by
-kernel name in the module, and none may run in interpret mode (`lingpack.hlo.pallas_kernels` of the
+kernel name in the module, and none may run in interpret mode (`lingpack.plan.hlo.pallas_kernels` of the
 traced step). The unwrapped splash call failed this export ("Mosaic kernels cannot be automatically
 partitioned"), see tests/kernels/test_splash_sharded.py.
 
@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from lingpack import config as config_lib
-from lingpack import hlo
+from lingpack.plan import hlo
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.program import TrainProgram
 

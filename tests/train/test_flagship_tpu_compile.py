@@ -6,7 +6,8 @@ The whole flagship on 64 v5p chips is slow (the issue that asked for it measured
 """
 import pytest
 
-from lingpack import backend, chips
+from lingpack import backend
+from lingpack.plan import chips
 from lingpack.kernels import mosaic
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.program import TrainProgram

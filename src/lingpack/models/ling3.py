@@ -251,7 +251,7 @@ class Ling3(nnx.Module):
             call = lambda state, *args: nnx.merge(graphdef, state)(*args)
             return checkpoint_in_order(call, policy)(state, *args)
 
-        # named scopes (embed, layer<i>, stack, head, mtp<d>) label the compiled program's ops (lingpack.hlo)
+        # named scopes (embed, layer<i>, stack, head, mtp<d>) label the compiled program's ops (lingpack.plan.hlo)
         with jax.named_scope("embed"):
             emb_BTD = self.embed(inputs_BT) if input_embeddings_BTD is None else input_embeddings_BTD
             emb_BTD = constrain(emb_BTD, BTD)  # rows stay split from here to the loss (parallel/layout.py)

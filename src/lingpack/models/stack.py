@@ -18,6 +18,7 @@ from flax import nnx
 from lingpack.models.block import FFN_PARTS, MIXER_PARTS, DecoderLayer, feed, mix, parts
 
 MIXERS = ("kda", "mla")
+MIXER_SCOPE = "stack_mixer"   # named scope of the scanned layers' mixer cond (op_name in compiled HLO)
 # a layer's weights taken out of its stack: recomputed by the backward pass, never saved per layer (a copy)
 _WEIGHT_SLICES = (jax.lax.dynamic_slice_p, jax.lax.squeeze_p)
 
@@ -90,7 +91,8 @@ class LayerStack(nnx.Module):
             if len(present) == 1:
                 x = run[present[0]](x, weights)
             else:
-                x = jax.lax.cond(is_mla, run["mla"], run["kda"], x, weights)
+                with jax.named_scope(MIXER_SCOPE):   # the planner weighs this cond's branches by this name
+                    x = jax.lax.cond(is_mla, run["mla"], run["kda"], x, weights)
             return feed(nnx.merge(ffn_def, ffn_weights), x, segment_ids)
 
         step = jax.checkpoint(layer, policy=without_weight_slices(policy))

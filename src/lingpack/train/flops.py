@@ -22,9 +22,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from lingpack import chips
+from lingpack.plan import chips
 
-# Dense bf16 peak per chip of accelerators outside the planner's table (`lingpack.chips`, which has the sources and
+# Dense bf16 peak per chip of accelerators outside the planner's table (`lingpack.plan.chips`, which has the sources and
 # is read first); matched by substring of `device.device_kind`, lower-cased.
 PEAK_FLOPS = (("v4", 275e12), ("v3", 123e12), ("a100", 312e12), ("b200", 2250e12))
 

@@ -5,7 +5,7 @@ abstractly (nothing allocated), so what they measure is exactly what a run execu
 
     program = TrainProgram.build(model_cfg, loss_cfg, optim_cfg, parallel_cfg, train_cfg,
                                  rows=64, seq_length=8192, devices=jax.devices()[:64])
-    compiled = program.lower().compile()              # memory_analysis(), as_text() for lingpack.hlo
+    compiled = program.lower().compile()              # memory_analysis(), as_text() for lingpack.plan.hlo
     exported = program.export("tpu")                   # traced under lingpack.backend.target("tpu")
     exported, kernels = program.export("tpu", with_kernels=True)   # + its Pallas kernels, Mosaic vs interpret
 """
@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from lingpack import backend, hlo
+from lingpack import backend
+from lingpack.plan import hlo
 from lingpack.parallel import expert
 from lingpack.parallel.context import ContextParallel
 from lingpack.train import sharding as shard_lib
@@ -92,7 +93,7 @@ class TrainProgram:
     def export(self, platform: str, *, with_kernels: bool = False):
         """`jax.export` of the step traced as `platform` runs it ("tpu", "gpu"/"cuda", "cpu").
 
-        with_kernels: return (exported, the traced step's Pallas kernels by mode, `lingpack.hlo.pallas_kernels`);
+        with_kernels: return (exported, the traced step's Pallas kernels by mode, `lingpack.plan.hlo.pallas_kernels`);
         the second trace is the export's own, from JAX's trace cache. Triton custom calls (the GPU attention
         kernel) carry Triton IR that jax.export does not promise to load into another jaxlib, so that check is
         waived: the export proves lowering, and it runs under the jaxlib that made it. So is the one of XLA's

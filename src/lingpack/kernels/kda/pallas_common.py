@@ -19,7 +19,8 @@ from jax._src.interpreters import partial_eval as pe
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lingpack import backend, hlo
+from lingpack import backend
+from lingpack.plan import hlo
 from lingpack.kernels.kda import gate
 from lingpack.kernels.kda import pallas_chunk as chunk
 from lingpack.kernels.kda.pallas_chunk import iota

@@ -8,9 +8,9 @@ Every argument but `plan.*` is a run.py override: the config is composed by Hydr
 (`plan.conf_dir`, else `./conf` when run from a checkout, else the checkout this package is installed
 from) and resolved by `lingpack.config.build`, so a config run.py rejects is rejected here with the same
 one-line error. The data is not read (only its shape and vocabulary matter). The planner's own keys
-(`PlanConfig`): devices, chip (`lingpack.chips`), output (JSON path), search, layers, export, conf_dir.
+(`PlanConfig`): devices, chip (`lingpack.plan.chips`), output (JSON path), search, layers, export, conf_dir.
 
-Per mesh (`lingpack.plan_measure` does the measuring):
+Per mesh (`lingpack.plan.measure` does the measuring):
   1. export    the run's TrainProgram traced for the chip's platform (`lingpack.backend.target`): the step
                lowers there, and its Pallas kernels are Mosaic calls, counted by name. A config that
                cannot run on that platform (a TPU-only kernel on a GPU) stops here with its ConfigError.
@@ -37,27 +37,41 @@ from pathlib import Path
 
 from lingpack.errors import ConfigError
 
-OUTPUT_KEYS = ("per_device_bytes", "hbm_bytes", "fits", "step_flops", "collective_bytes", "est_step_s", "mfu_at_est")
+OUTPUT_KEYS = ("compiler", "per_device_bytes", "hbm_bytes", "fits", "step_flops", "collective_bytes", "est_step_s", "mfu_at_est")
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
     devices: int = 8             # chips of the slice (fake CPU devices here)
-    chip: str = "v5p"            # lingpack.chips: v5e v5p v6e h100 h200
+    chip: str = "v5p"            # lingpack.plan.chips: v5e v5p v6e h100 h200
     output: str | None = None    # write the plan's JSON here
     search: bool = False         # also plan other meshes of `devices` and recommend the cheapest that fits
     search_max: int = 4          # meshes compiled by the search, the configured one included
     layers: int | None = None    # compile this many layers (and this + one layer cycle), scale per layer
-    export: bool = True          # export for the chip's platform (proves lowering, counts Mosaic kernels)
+    export: bool = True          # XLA:CPU twin only: export for the chip's platform (proves lowering, counts kernels)
     conf_dir: str | None = None  # the Hydra config directory (default: ./conf, else the package's checkout)
+    compiler: str | None = None  # "tpu" (XLA:TPU via libtpu; the default for TPU chips) or "cpu" (the XLA:CPU twin)
+    topology: str | None = None  # TPU slice shape, e.g. 4x4x4 (default: chips.TOPOLOGIES' standard one)
+    save_hlo: str | None = None  # write the compiled program's HLO text there (the configured mesh's deepest compile)
 
     def __post_init__(self):
         if self.devices < 1:
             raise ConfigError(f"plan.devices={self.devices} must be >= 1 (the slice's chip count)")
         if self.search_max < 1:
             raise ConfigError(f"plan.search_max={self.search_max} must be >= 1")
-        from lingpack import chips
-        chips.chip(self.chip)
+        from lingpack.plan import chips
+        chip = chips.chip(self.chip)
+        if self.compiler not in (None, "tpu", "cpu"):
+            raise ConfigError(f"plan.compiler={self.compiler!r}: choose tpu (XLA:TPU, TPU chips) or cpu (the XLA:CPU twin)")
+        if self.compiler == "tpu" and chip.platform != "tpu":
+            raise ConfigError(f"plan.compiler=tpu compiles for TPU chips; {chip.name} is a GPU: drop plan.compiler "
+                              "(GPUs are planned on the XLA:CPU twin: this JAX cannot compile for CUDA without a GPU)")
+
+    @property
+    def backend(self) -> str:
+        """The compiler the plan uses: XLA:TPU for TPU chips unless plan.compiler=cpu; the XLA:CPU twin for GPUs."""
+        from lingpack.plan import chips
+        return self.compiler or ("tpu" if chips.chip(self.chip).platform == "tpu" else "cpu")
 
 
 def split_arguments(argv: list[str]) -> tuple[list[str], dict]:
@@ -76,38 +90,15 @@ def plan_config(values: dict) -> PlanConfig:
 
 
 def find_conf_dir(explicit: str | None = None) -> Path:
-    """The Hydra config directory: `explicit`, else ./conf, else the checkout holding this package."""
-    candidates = [Path(explicit)] if explicit else [Path.cwd() / "conf", Path(__file__).resolve().parents[2] / "conf"]
-    for path in candidates:
-        if (path / "config.yaml").is_file():
-            return path.resolve()
-    raise ConfigError(f"no Hydra config (config.yaml) in {' or '.join(str(p) for p in candidates)}: run from the "
-                      "lingpack checkout (its conf/ directory) or pass plan.conf_dir=/path/to/conf")
+    """The Hydra config directory: `explicit`, else ./conf, else the checkout's (lingpack.config's rule)."""
+    from lingpack import config as config_lib
+    return Path(config_lib.find_config_dir(explicit))
 
 
-def compose(overrides: list[str], conf_dir: Path) -> dict:
-    """The plain config run.py would see for `overrides` (hydra's own keys dropped)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf, open_dict
-    from omegaconf.errors import OmegaConfBaseException
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(str(conf_dir), version_base="1.3", job_name="plan"):
-            cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)   # `${hydra:...}` interpolations resolve as in a run
-        with open_dict(cfg):
-            del cfg["hydra"]   # its sweep keys only resolve inside a multirun
-        plain = OmegaConf.to_container(cfg, resolve=True)
-    except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(str(err).strip().splitlines()[0]) from None
-    finally:
-        GlobalHydra.instance().clear()
-    return plain
+def compose(overrides: list[str], conf_dir: Path | str | None = None) -> dict:
+    """The plain config run.py would see for `overrides`: `lingpack.config.compose`, the run directory a null one."""
+    from lingpack import config as config_lib
+    return config_lib.compose(list(overrides), run_dir=os.devnull, config_dir=None if conf_dir is None else str(conf_dir))
 
 
 def run_config(plain: dict):
@@ -129,36 +120,69 @@ def use_fake_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def configured_mesh(rc, devices: int, log=print):
+    """The run's mesh for `devices` chips; `parallel=single` (every axis 1) becomes data parallelism over all of
+    them, said in one line; any other mismatch is a one-line ConfigError."""
+    from lingpack.train.sharding import mesh_shape
+    try:
+        mesh_shape(rc.parallel, devices)
+        return rc.parallel
+    except ValueError as err:
+        sizes = rc.parallel.axis_sizes()
+        if all(v == 1 for v in sizes.values()) and devices > 1:
+            log(f"plan: the config's mesh uses one device; planning data parallelism over all {devices} "
+                f"(data={devices}); set parallel.data / fsdp / expert / ... to plan another mesh")
+            return dataclasses.replace(rc.parallel, data=devices)
+        raise ConfigError(f"plan.devices={devices}: {err}") from None
+
+
 def plan(rc, cfg: PlanConfig, *, log=print) -> dict:
     """The plan of run config `rc` on `cfg.devices` x `cfg.chip` (see the module docstring)."""
     import jax
 
-    from lingpack import chips
-    from lingpack import plan_measure as measure
-    devices = jax.devices()
-    if len(devices) < cfg.devices:
-        raise ConfigError(f"plan.devices={cfg.devices} but this process has {len(devices)} devices: JAX was "
-                          "initialised before the planner set the fake device count; run `python -m lingpack.plan` "
-                          "in a fresh process")
+    from lingpack.plan import chips
+    from lingpack.plan import measure
     chip = chips.chip(cfg.chip)
-    meshes = [rc.parallel]
+    compiler = cfg.backend
+    if compiler == "tpu":
+        devices = chips.tpu_devices(chip, cfg.devices, cfg.topology)
+        where = f"XLA:TPU, topology {chips.topology_name(chip, cfg.devices, cfg.topology)}"
+    else:
+        devices = jax.devices()
+        where = "the XLA:CPU twin"
+        if len(devices) < cfg.devices:
+            raise ConfigError(f"plan.devices={cfg.devices} but this process has {len(devices)} devices: JAX was "
+                              "initialised before the planner set the fake device count; run `python -m lingpack.plan` "
+                              "in a fresh process")
+    configured = configured_mesh(rc, cfg.devices, log)
+    meshes = [configured]
     if cfg.search:
-        meshes += measure.candidate_meshes(rc, cfg.devices, limit=cfg.search_max - 1)
-    results = []
+        base = rc if configured is rc.parallel else dataclasses.replace(rc, parallel=configured)
+        meshes += measure.candidate_meshes(base, cfg.devices, limit=cfg.search_max - 1)
+    results, findings = [], []
     for parallel in meshes:
-        log(f"plan: mesh {measure.mesh_name(parallel, cfg.devices)} on {cfg.devices} x {chip.name} ...")
+        name = measure.mesh_name(parallel, cfg.devices)
+        log(f"plan: mesh {name} on {cfg.devices} x {chip.name} ({where}) ...")
         try:
             results.append(measure.measure(rc, parallel, chip, devices[:cfg.devices], layers=cfg.layers,
-                                           export=cfg.export, log=log))
+                                           export=cfg.export, compiler=compiler, log=log,
+                                           save_hlo=cfg.save_hlo if parallel is configured else None))
+        except measure.CompileFinding as err:   # the plan's finding: this mesh does not compile (or fit)
+            log(f"plan: {name}: {err}")
+            findings.append({"mesh": name, "finding": str(err)})
+            if parallel is configured and not cfg.search:
+                raise
         except ConfigError as err:
-            if parallel is rc.parallel:
+            if parallel is configured:
                 raise
             log(f"plan: skipped: {err}")
+    if not results:
+        raise ConfigError(f"no mesh compiled: {findings[0]['finding']}")
     best = min((r for r in results if r["fits"]), key=lambda r: r["est_step_s"], default=None)
     out = dict(results[0])
     if cfg.search:
         out["candidates"] = [{k: r[k] for k in ("mesh", "per_device_bytes", "fits", "est_step_s", "mfu_at_est")}
-                             for r in results]
+                             for r in results] + [dict(f, fits=False) for f in findings]
         out["recommended"] = best["mesh"] if best else None
     return out
 
@@ -174,33 +198,51 @@ def table(result: dict) -> str:
     """The plan as console text."""
     r, b = result, result["breakdown"]
     state = b["state_bytes"]
-    lines = [f"plan: {r['config']['model']} T={r['config']['seq_length']} x {r['config']['global_batch_size']} rows "
-             f"({r['config']['micro_batches']} micro-batches) on {r['devices']} x {r['chip']['name']}, "
-             f"mesh {r['mesh']}",
+    tpu = r.get("compiler") == "xla_tpu"
+    compiler = "XLA:TPU" if tpu else "XLA:CPU twin"
+    lines = [f"plan ({compiler}): {r['config']['model']} T={r['config']['seq_length']} x "
+             f"{r['config']['global_batch_size']} rows ({r['config']['micro_batches']} micro-batches) on "
+             f"{r['devices']} x {r['chip']['name']}, mesh {r['mesh']}",
              "", "| per device | bytes |", "|---|---|"]
     rows = [("parameters (master)", state["params"]), ("optimizer state", state["optimizer"]),
             ("model state (expert bias, ...)", state["rest"]), ("gradient accumulator (fp32)", b["gradient_bytes"]),
-            ("batch", b["batch_bytes"]), ("temporaries (XLA:CPU, incl. gradients, activations)", b["compiled"]["temp"]),
-            ("peak (arguments + outputs + temporaries - aliased)", r["per_device_bytes"]), ("HBM", r["hbm_bytes"])]
+            ("batch", b["batch_bytes"]), (f"temporaries ({compiler}, incl. gradients, activations)", b["compiled"]["temp"]),
+            (f"peak ({compiler}: arguments + outputs + temporaries - aliased)", r["per_device_bytes"]),
+            ("HBM", r["hbm_bytes"])]
     lines += [f"| {name} | {gib(v)} |" for name, v in rows]
     lines += [f"| fits | {'yes' if r['fits'] else 'NO'} |", ""]
     f = r["step_flops"]
-    lines += [f"step FLOPs per device: analytic {f['analytic']:.3e} | XLA cost analysis {f['xla_cost_analysis']:.3e} "
-              f"(loop bodies once) | HLO matmuls {f['hlo_dots']:.3e} (loop trip counts in)"]
+    compiled = f" | compiled {f['compiled']:.3e} (loop trip counts in)" if "compiled" in f else ""
+    lines += [f"step FLOPs per device: analytic {f['analytic']:.3e} + remat {f['remat']:.3e}{compiled} | XLA cost "
+              f"analysis {f['xla_cost_analysis']:.3e} (loop bodies once)"]
     moved = {k: v for k, v in r["collective_bytes"].items() if v}
     lines += ["collectives per device per step: " + (", ".join(f"{k} {gib(v)}" for k, v in moved.items()) or "none")]
     roof = b["roofline"]
-    lines += [f"roofline: compute {roof['compute_s'] * 1e3:.1f} ms, HBM {roof['memory_s'] * 1e3:.1f} ms, collectives "
-              f"{roof['collective_s'] * 1e3:.1f} ms -> est. step {r['est_step_s'] * 1e3:.1f} ms, MFU {r['mfu_at_est']:.1%}"]
+    if tpu:
+        c = b["cost"]
+        lines += [f"step model: {c['step_s'] * 1e3:.1f} ms (roofline of the same instructions {c['roofline_s'] * 1e3:.1f}"
+                  f" ms; collectives and prefetches hidden {c['hidden_s'] * 1e3:.1f} ms; analytic FLOPs at peak "
+                  f"{roof['analytic_at_peak_s'] * 1e3:.1f} ms) -> est. step {r['est_step_s'] * 1e3:.1f} ms, "
+                  f"MFU {r['mfu_at_est']:.1%}",
+                  "by part: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in c["by_part"].items() if v >= 1e-4),
+                  "by op: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in list(c["by_kind"].items())[:8])]
+    else:
+        lines += [f"roofline: compute {roof['compute_s'] * 1e3:.1f} ms, HBM {roof['memory_s'] * 1e3:.1f} ms, "
+                  f"collectives {roof['collective_s'] * 1e3:.1f} ms -> est. step {r['est_step_s'] * 1e3:.1f} ms, "
+                  f"MFU {r['mfu_at_est']:.1%} (XLA:CPU twin)"]
     export = r.get("export")
     if export:
         calls = export["mosaic_kernels"] if export["platform"] == "tpu" else export.get("triton_kernels", {})
-        lines += [f"export for {export['platform']}: " + ("lowers" if export["lowers"] else f"FAILS ({export['error']})")
-                  + f"; {'Mosaic' if export['platform'] == 'tpu' else 'Triton'} kernels {calls or 'none'}, "
-                  f"interpret-mode kernels {export['interpret_kernels'] or 'none'}"]
+        verb = "compiled by XLA:TPU" if tpu else "export for " + export["platform"] + (
+            ": lowers" if export["lowers"] else f": FAILS ({export['error']})")
+        lines += [f"{verb}; {'Mosaic' if export['platform'] == 'tpu' else 'Triton'} kernels {calls or 'none'}"
+                  + ("" if tpu else f", interpret-mode kernels {export['interpret_kernels'] or 'none'}")]
     if r.get("candidates"):
         lines += ["", "| mesh | per device | fits | est. step | MFU |", "|---|---|---|---|---|"]
         for c in r["candidates"]:
+            if "finding" in c:
+                lines.append(f"| {c['mesh']} | - | no | {c['finding']} | - |")
+                continue
             lines.append(f"| {c['mesh']} | {gib(c['per_device_bytes'])} | {'yes' if c['fits'] else 'no'} | "
                          f"{c['est_step_s'] * 1e3:.1f} ms | {c['mfu_at_est']:.1%} |")
         lines.append(f"recommended: {r['recommended'] or 'none fits'}")
@@ -227,5 +269,3 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -92,20 +92,16 @@ class Executed:
     times: float           # executions per call of the program (a weighted conditional branch: its share)
     fused: bool            # inside a fusion (or a reducer): reads and writes no memory of its own
     shapes: dict           # name -> shape of the instructions of its computation (operand lookup)
+    comp: str = ""         # the computation it belongs to
 
 
-def sources(hlo: str) -> dict[str, str]:
-    """stack_frame_id -> "file:line" of the innermost frame (the tables compiled HLO text starts with)."""
-    head = hlo.split("\n\n%", 1)[0] if "StackFrames" in hlo else ""
-    files = dict(re.findall(r'^(\d+) "([^"]*)"', head.split("FunctionNames")[0], re.M))
-    locations = {i: (f, line) for i, f, line in
-                 re.findall(r"^(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)", head, re.M)}
-    frames = dict(re.findall(r"^(\d+) \{file_location_id=(\d+) parent_frame_id=\d+\}", head, re.M))
-    return {frame: f"{files.get(locations[loc][0], '?')}:{locations[loc][1]}"
-            for frame, loc in frames.items() if loc in locations}
+def op_name(line: str) -> str:
+    """JAX's name stack of an instruction (its `op_name` metadata: "jit(step)/while/body/.../dot_general"), or ""."""
+    found = re.search(r'op_name="([^"]*)"', line)
+    return found.group(1) if found else ""
 
 
-def _branches(op: Instruction, where: dict, branch_weights) -> tuple[list[str], list[float]]:
+def _branches(op: Instruction, branch_weights) -> tuple[list[str], list[float]]:
     """A conditional's branch computations in index order (a predicate's: false, true) and their weights."""
     listed = re.search(r"branch_computations=\{([^}]*)\}", op.line)
     if listed:
@@ -113,36 +109,51 @@ def _branches(op: Instruction, where: dict, branch_weights) -> tuple[list[str], 
     else:
         named = dict(re.findall(r"(true|false)_computation=%?([\w.\-]+)", op.line))
         branches = [named[k] for k in ("false", "true") if k in named]
-    frame = re.search(r"stack_frame_id=(\d+)", op.line)
-    weights = branch_weights(op, where.get(frame.group(1)) if frame else None) if branch_weights else None
+    weights = branch_weights(op) if branch_weights else None
     return branches, list(weights) if weights else [1.0] * len(branches)
+
+
+def trip_count(op: Instruction, comps: dict) -> int | None:
+    """A `while`'s trip count: XLA's `known_trip_count` (XLA:CPU prints it), else its condition's `i < N` against
+    a constant (XLA:TPU's loops from lax.scan / fori_loop, whose counter starts at 0 and steps by 1), else None."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.line)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", op.line)
+    body = comps.get(cond.group(1), []) if cond else []
+    root = next((i for i in body if i.root), None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.line:
+        return None
+    constants = {i.name: i for i in body if i.opcode == "constant"}
+    bound = constants.get(root.operands[1]) if len(root.operands) > 1 else None
+    value = re.search(r"constant\((-?\d+)\)", bound.line) if bound is not None else None
+    return int(value.group(1)) if value else None
 
 
 def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
     """(every instruction the program runs, with its execution count, loops whose trip count is unknown).
 
-    A conditional's branches each count as if they ran (an upper bound), unless `branch_weights(op, source)`
-    (source: the op's "file:line", or None) returns one weight per branch, e.g. the share of a layer scan's
-    trips that take each branch.
+    A conditional's branches each count as if they ran (an upper bound), unless `branch_weights(op)` returns
+    one weight per branch, e.g. the share of a layer scan's trips that take each branch (found by the named
+    scope in the op's `op_name`).
     """
     comps, entry = _computations(hlo)
     shapes = {name: {op.name: op.shape for op in ops} for name, ops in comps.items()}
-    where = sources(hlo) if branch_weights else {}
     found, unknown = [], [0]
 
     def visit(comp: str, times: float, fused: bool) -> None:
         for op in comps.get(comp, []):
-            found.append(Executed(op, times, fused, shapes[comp]))
+            found.append(Executed(op, times, fused, shapes[comp], comp))
             if op.opcode == "while":
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.line)
+                trip = trip_count(op, comps)
                 unknown[0] += trip is None
                 body = re.search(r"body=%?([\w.\-]+)", op.line).group(1)
-                visit(body, times * int(trip.group(1) if trip else 1), fused)
+                visit(body, times * (trip or 1), fused)
                 continue
             for key, callee in re.findall(r"(to_apply|calls)=%?([\w.\-]+)", op.line):
                 visit(callee, times, fused or key == "to_apply" or op.opcode == "fusion")
             if op.opcode == "conditional":
-                for callee, weight in zip(*_branches(op, where, branch_weights)):
+                for callee, weight in zip(*_branches(op, branch_weights)):
                     visit(callee, times * weight, fused)
 
     if entry is not None:
@@ -184,6 +195,7 @@ def dot_flops(hlo: str, branch_weights=None) -> float:
 NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
               "after-all", "partition-id", "replica-id", "opt-barrier"}
 SLICES = {"dynamic-slice", "slice", "gather"}
+UNARY = {"convert", "bitcast", "copy", "bitcast-convert"}
 
 
 def _moved(op: Instruction, shapes: dict, comps: dict) -> int:
@@ -207,11 +219,19 @@ def _moved(op: Instruction, shapes: dict, comps: dict) -> int:
             users[name].append(i)
     root = next((i for i in body if i.root), None)
     outputs = [by_name[n] for n in root.operands] if root is not None and root.opcode == "tuple" else [root]
+    def peel(inst):   # through dtype and layout changes that keep the buffer's elements where they are
+        while inst is not None and inst.opcode in UNARY and inst.operands and inst.operands[0] in by_name:
+            inst = by_name[inst.operands[0]]
+        return inst
+
     written, in_place = 0, set()
     for out in outputs:
-        if out is not None and out.opcode == "dynamic-update-slice" and out.operands[0] in params.values():
-            in_place.add(out.operands[0])
-            written += size(out.operands[1], inner)
+        core = peel(out)
+        buffer = peel(by_name.get(core.operands[0])) if core is not None and core.opcode == "dynamic-update-slice" else None
+        if buffer is not None and buffer.opcode == "parameter" and _dims(buffer.shape) == _dims(out.shape):
+            in_place.add(buffer.name)   # updated in place (XLA shares the buffer), also under converts
+            update = _dims(inner.get(core.operands[1], ""))
+            written += math.prod(update) * DTYPE_BYTES.get(re.match(r"\w+", out.shape).group(0), 4)
         elif out is not None:
             written += shape_bytes(out.shape)
     read = 0
@@ -375,6 +395,19 @@ def mosaic_calls(module: str) -> dict:
     kernel called twice from one deduplicated function counts once (counts are of the text, not of runs).
     """
     return dict(collections.Counter(re.findall(r'tpu_custom_call\(.*?kernel_name = "([^"]+)"', module)))
+
+
+def compiled_kernels(text: str) -> dict:
+    """Mosaic kernels of a program compiled by XLA:TPU: {kernel name: custom calls}, the name from the call's
+    name stack (the pallas_call's `name`); XLA's own Mosaic calls (ragged-dot) by their instruction name."""
+    found = collections.Counter()
+    for line in text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line:
+            continue
+        scopes = [s for s in op_name(line).split("/") if s and s != "pallas_call"]
+        head = re.match(r"^\s*(?:ROOT\s+)?%?([\w\-]+?)(?:\.\d+)?\s*=", line)
+        found[scopes[-1] if "pallas_call" in op_name(line) and scopes else head.group(1) if head else "?"] += 1
+    return dict(found)
 
 
 TRITON_CALL = "__gpu$xla.gpu.triton"   # the custom-call target of a Pallas kernel lowered through Triton

@@ -1,0 +1,5 @@
+import sys
+
+from lingpack.plan.cli import main
+
+sys.exit(main())

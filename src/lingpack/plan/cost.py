@@ -1,0 +1,275 @@
+"""The step time of a compiled TPU program: every instruction XLA:TPU scheduled, costed, loop trip counts in.
+
+Per top-level instruction of the compiled HLO (`compiled.as_text()`, after fusion and scheduling), run
+`times` times per step (`lingpack.plan.hlo.executed`: while bodies by their trip counts):
+  fusion, copy, ...   XLA:TPU's own `estimated_cycles` (its backend_config) over the chip's cycle rate
+                      (`chips.Chip.cycle_hz`), never below its FLOPs at peak; where XLA wrote none (or
+                      INT64_MAX), the roofline max(FLOPs / peak, bytes at its boundary / HBM bandwidth)
+  Mosaic kernel       a `tpu_custom_call`: the `pl.CostEstimate` its pallas_call declared (the custom call's
+                      backend_config carries it), as the roofline of those FLOPs and bytes
+  collective          bytes one device sends (ring algorithms) over the ICI links of the torus dimensions its
+                      replica group spans (2 directions per dimension); an async `-start`/`-done` pair is
+                      hidden behind the compute the schedule places between them, only the rest is exposed
+  copy-start/done     HBM <-> on-chip memory prefetches: bytes / HBM bandwidth, hidden like a collective
+The step is the sum; the roofline of the same instructions is kept beside it (`roofline_s`) as the
+cross-check. Parts come from JAX's name stacks (`op_name`): the model's named scopes (moe, kda, mla,
+head, mtp, embed); outside the forward and backward, the optimizer.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import re
+
+import numpy as np
+
+from lingpack.plan import hlo
+
+INT64_MAX = 2 ** 63 - 1
+PARTS = ("moe", "kda", "mla", "head", "mtp", "embed")   # named scopes, most specific first
+CONTAINERS = hlo.NO_TRAFFIC | {"async-start", "async-done", "call-start", "call-done"}
+
+
+def traffic(kind: str, result_bytes: float, n: int | None, operand_bytes: float = 0.0) -> float:
+    """Bytes one device sends for one run of a collective (ring algorithms): all-gather, all-to-all: result x
+    (n-1)/n; reduce-scatter: result x (n-1); all-reduce: 2 x result x (n-1)/n; permute: result; ragged
+    all-to-all: its input x (n-1)/n (the rows it sends, not the worst-case receive buffer)."""
+    n = n or 2
+    factor = {"all-gather": (n - 1) / n, "all-to-all": (n - 1) / n, "ragged-all-to-all": (n - 1) / n,
+              "reduce-scatter": n - 1, "all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}[kind]
+    return (operand_bytes if kind == "ragged-all-to-all" and operand_bytes else result_bytes) * factor
+
+
+def part(line: str) -> str | None:
+    """The model part an instruction belongs to, from its name stack (None: it has none)."""
+    name = hlo.op_name(line)
+    if not name:
+        return None
+    scopes = re.split(r"[/()]", name)
+    for p in PARTS:
+        if any(s == p or s.startswith(p) and s[len(p):].isdigit() for s in scopes):
+            return p
+    if "jvp(" in name or "transpose(" in name:
+        return "layers (other)"
+    return "optimizer, other"
+
+
+def _parts(ops) -> dict:
+    """name -> part of a computation's instructions; an instruction XLA made (no name stack, e.g. a ragged
+    dot's transposes) takes its operands' part, else the part most of its computation's instructions have."""
+    found = {op.name: part(op.line) for op in ops}
+    for _ in range(3):
+        for op in ops:
+            if found[op.name] is None:
+                found[op.name] = next((found[o] for o in op.operands if found.get(o)), None)
+    named = collections.Counter(v for v in found.values() if v)
+    common = named.most_common(1)[0][0] if named else "optimizer, other"
+    return {k: v or common for k, v in found.items()}
+
+
+def estimated_cycles(line: str) -> int | None:
+    found = re.search(r'"estimated_cycles":"(\d+)"', line)
+    return int(found.group(1)) if found and int(found.group(1)) < INT64_MAX else None
+
+
+def kernel_cost(line: str) -> tuple[float, float] | None:
+    """(FLOPs, bytes accessed) of a Mosaic kernel's declared CostEstimate, or None."""
+    found = re.search(r'"cost_estimate":(\{[^}]*\})', line)
+    if not found:
+        return None
+    est = json.loads(found.group(1))
+    return float(est.get("flops", 0)), float(est.get("bytes_accessed", 0))
+
+
+def kernel_name(op) -> str:
+    scopes = [s for s in re.split(r"[/]", hlo.op_name(op.line)) if s and s != "pallas_call"]
+    return scopes[-1] if scopes else op.name.rstrip(".0123456789")
+
+
+def _conv_flops(op, shapes) -> float:
+    """2 x result elements x contracted size of a `convolution` (XLA:TPU's form of a matmul) or `dot`."""
+    out = math.prod(hlo._dims(op.shape))
+    operands = op.operands
+    if op.opcode == "dot":
+        lhs = hlo._dims(shapes.get(operands[0], "")) if operands else ()
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", op.line)
+        k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
+        return 2.0 * out * k
+    labels = re.search(r"dim_labels=\w*_(\w+)->", op.line)
+    kernel = hlo._dims(shapes.get(operands[1], "")) if len(operands) > 1 else ()
+    if not labels or len(labels.group(1)) != len(kernel):
+        return 0.0
+    k = math.prod(d for d, label in zip(kernel, labels.group(1)) if label == "i")
+    window = re.search(r"window=\{([^}]*)\}", op.line)
+    sizes = [int(v) for v in re.findall(r"\d+", re.search(r"size=([\dx]+)", window.group(1)).group(1))] if window else []
+    dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1)) if window else None
+    dilations = [int(v) for v in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
+    k *= math.prod(-(-size // d) for size, d in zip(sizes, dilations))   # taps that land on the input, not its holes
+    groups = re.search(r"feature_group_count=(\d+)", op.line)
+    return 2.0 * out * k / (int(groups.group(1)) if groups else 1)
+
+
+def fused_flops(comp: str, comps: dict, seen=None) -> float:
+    """Matmul FLOPs of a fused computation (nested fusions included)."""
+    ops = comps.get(comp, [])
+    shapes = {op.name: op.shape for op in ops}
+    total = 0.0
+    for op in ops:
+        if op.opcode in ("convolution", "dot"):
+            total += _conv_flops(op, shapes)
+        for callee in re.findall(r"calls=%?([\w.\-]+)", op.line):
+            total += fused_flops(callee, comps)
+    return total
+
+
+def _expand_iota(spec: str) -> list[list[int]] | None:
+    """Replica groups in iota form "[G,S]<=[d0,d1,...]T(p0,p1,...)" as explicit device lists."""
+    found = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
+    if not found:
+        return None
+    g, s = int(found.group(1)), int(found.group(2))
+    ids = np.arange(math.prod(int(d) for d in found.group(3).split(","))).reshape([int(d) for d in found.group(3).split(",")])
+    if found.group(4):
+        ids = ids.transpose([int(p) for p in found.group(4).split(",")])
+    return ids.reshape(g, s).tolist()
+
+
+def replica_group(line: str) -> list[int] | None:
+    """The first replica group of a collective (device ids), or None."""
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if listed:
+        return [int(d) for d in listed.group(1).split(",") if d]
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)   # mesh['a'=2,'b'=4] {'b'}
+    if named:
+        sizes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", named.group(1))]
+        listed = re.findall(r"'([^']+)'", named.group(2))
+        ids = np.arange(math.prod(v for _, v in sizes)).reshape([v for _, v in sizes] or [1])
+        first = ids[tuple(slice(None) if k in listed else 0 for k, _ in sizes)]
+        order = [k for k, _ in sizes if k in listed]
+        return first.transpose([order.index(k) for k in listed]).reshape(-1).tolist() if listed else [0]
+    iota = re.search(r"replica_groups=(\[[^ ,]*,[^ ]*)", line)
+    groups = _expand_iota(iota.group(1)) if iota else None
+    if groups:
+        return groups[0]
+    pairs = re.search(r"source_target_pairs=\{([^}]*\})\}", line)
+    if pairs:
+        return sorted({int(d) for d in re.findall(r"\d+", pairs.group(1))})
+    return None
+
+
+def link_bandwidth(group: list[int] | None, coords: list | None, chip) -> float:
+    """Bytes/s one device sends into its replica group: both directions of each ICI link of every torus
+    dimension the group spans (one dimension when the coordinates are not known)."""
+    per_link = chip.link_bw / max(chip.links, 1) / 2   # one direction of one link
+    dims = 1
+    if group and coords and max(group) < len(coords):
+        points = np.asarray([coords[d] for d in group])
+        dims = max(1, int((points.max(axis=0) > points.min(axis=0)).sum()))
+    return 2 * dims * per_link
+
+
+def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=None) -> dict:
+    """Step time of compiled TPU HLO `text` on `chip` (see the module docstring).
+
+    coords: each device id's torus coordinates (`device.coords` of the mesh's devices in id order).
+    """
+    comps, entry = hlo._computations(text)
+    own, exposed = {}, {}   # (computation, op name) -> seconds
+    rows = {}
+    for comp, ops in comps.items():
+        shapes = {op.name: op.shape for op in ops}
+        parts = _parts(ops)
+        starts = {}
+        for index, op in enumerate(ops):
+            key = (comp, op.name)
+            opcode = op.opcode
+            flops = bytes_ = 0.0
+            basis, seconds, xla_s = "roofline", 0.0, None
+            kind = opcode[:-6] if opcode.endswith("-start") else opcode[:-5] if opcode.endswith("-done") else opcode
+            if kind in hlo.KINDS:
+                if opcode.endswith("-done"):
+                    continue
+                group = replica_group(op.line)
+                n = len(group) if group else None
+                operand = hlo.shape_bytes(shapes.get(op.operands[0], "")) if op.operands else 0
+                result = hlo.shape_bytes(op.shape)
+                if opcode.endswith("-start") and op.shape.startswith("("):   # (operands, result, ...) tuples
+                    result = hlo.shape_bytes(op.shape) - operand
+                sent = 0.0 if n == 1 else traffic(kind, result, n, operand)
+                seconds = sent / link_bandwidth(group, coords, chip)
+                rows[key] = dict(op=op, kind="collective " + kind, part="collectives", flops=0.0, bytes=sent,
+                                 seconds=seconds, roofline_s=seconds, xla_s=None, basis="ICI links")
+                if opcode.endswith("-start"):
+                    starts[op.name] = (index, seconds)
+                else:
+                    own[key] = 0.0
+                    exposed[key] = seconds
+                continue
+            if opcode == "copy-start":
+                seconds = hlo.shape_bytes(shapes.get(op.operands[0], "")) / chip.hbm_bw if op.operands else 0.0
+                starts[op.name] = (index, seconds)
+                rows[key] = dict(op=op, kind="copy-start", part=parts[op.name], flops=0.0, bytes=seconds * chip.hbm_bw,
+                                 seconds=seconds, roofline_s=seconds, xla_s=None, basis="HBM")
+                continue
+            if opcode in CONTAINERS or opcode.endswith("-done"):
+                continue
+            if opcode == "custom-call" and "tpu_custom_call" in op.line:
+                declared = kernel_cost(op.line)
+                flops, bytes_ = declared if declared else (0.0, 0.0)
+                basis = "CostEstimate" if declared else "none declared"
+                name = "kernel " + kernel_name(op)
+            else:
+                callee = re.search(r"calls=%?([\w.\-]+)", op.line)
+                flops = fused_flops(callee.group(1), comps) if callee else (
+                    _conv_flops(op, shapes) if opcode in ("convolution", "dot") else 0.0)
+                bytes_ = hlo._moved(op, shapes, comps)
+                name = opcode
+            roof = max(flops / chip.peak_flops, bytes_ / chip.hbm_bw)
+            cycles = estimated_cycles(op.line) if chip.cycle_hz else None
+            if cycles is not None and basis == "roofline":
+                xla_s = cycles / chip.cycle_hz
+                seconds, basis = max(xla_s, flops / chip.peak_flops), "XLA:TPU cycles"
+            else:
+                seconds = roof
+            own[key] = seconds
+            rows[key] = dict(op=op, kind=name, part=parts[op.name], flops=flops, bytes=bytes_, seconds=seconds,
+                             roofline_s=roof, xla_s=xla_s, basis=basis)
+        # async pairs: the compute scheduled between start and done hides the transfer
+        for index, op in enumerate(ops):
+            if op.opcode.endswith("-done") and op.operands and op.operands[0] in starts:
+                first, seconds = starts[op.operands[0]]
+                between = sum(own.get((comp, o.name), 0.0) for o in ops[first + 1:index])
+                exposed[(comp, op.operands[0])] = max(0.0, seconds - between)
+                own.setdefault((comp, op.operands[0]), 0.0)
+    executed, unknown = hlo.executed(text, branch_weights)
+    by_part, by_kind = collections.defaultdict(float), collections.defaultdict(float)
+    total = roof_total = hidden = flops_total = xla_cycles_s = 0.0
+    top = collections.defaultdict(lambda: [0.0, 0.0, ""])
+    for e in executed:
+        if e.fused:
+            continue
+        key = (e.comp, e.op.name)
+        row = rows.get(key)
+        if row is None:
+            continue
+        spent = e.times * (own.get(key, 0.0) + exposed.get(key, 0.0))
+        total += spent
+        roof_total += e.times * row["roofline_s"]
+        if row["kind"].startswith(("collective", "copy-start")) and key in exposed:
+            hidden += e.times * (row["seconds"] - exposed[key])
+        flops_total += e.times * row["flops"]
+        xla_cycles_s += e.times * (row["xla_s"] or 0.0)
+        by_part[row["part"]] += spent
+        by_kind[row["kind"]] += spent
+        label = f"{row['kind']} [{row['part']}] {e.op.name}"
+        top[label][0] += spent
+        top[label][1] += e.times
+        top[label][2] = row["basis"]
+    ranked = sorted(top.items(), key=lambda kv: -kv[1][0])[:15]
+    return {"step_s": total, "roofline_s": roof_total, "xla_cycles_s": xla_cycles_s, "hidden_s": hidden,
+            "flops": flops_total, "unknown_trip_counts": unknown,
+            "by_part": dict(sorted(by_part.items(), key=lambda kv: -kv[1])),
+            "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "top": [{"op": k, "seconds": v[0], "runs": v[1], "basis": v[2]} for k, v in ranked]}

@@ -1,0 +1,117 @@
+"""lingpack.plan.cost on programs XLA:TPU compiles here (libtpu, no TPU attached), against answers known by hand
+or from XLA:TPU itself: a matmul chain's FLOPs and its time near peak, a fused elementwise program's bytes, a
+loop-free program against XLA's `optimal_seconds`, a collective's bytes over its ICI links, and a small
+Ling3 step's compiled FLOPs against train/flops.py."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from lingpack.plan import chips, cost
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def compile_on(chip_name: str, f, *shapes):
+    """(chip, `f` compiled by XLA:TPU for one chip of `chip_name`) for arguments of `shapes` [(shape, dtype)]."""
+    chip = chips.chip(chip_name)
+    device = chips.tpu_devices(chip, 1)[0]
+    args = [jax.ShapeDtypeStruct(s, dt, sharding=SingleDeviceSharding(device)) for s, dt in shapes]
+    return chip, jax.jit(f).lower(*args).compile()
+
+
+@pytest.mark.slow   # XLA:TPU tiles [4096, 4096] matmuls for minutes on a loaded 2-core host
+def test_a_bf16_matmul_chain_is_planned_near_peak_with_its_exact_flops():
+    """Four [4096, 4096] bf16 matmuls in a row on one v5p: 4 x 2 x 4096^3 FLOPs, planned at >= 90% of peak."""
+    n = 4096
+    chip, compiled = compile_on("v5p", lambda x, w: (((x @ w) @ w) @ w) @ w, ((n, n), BF16), ((n, n), BF16))
+    planned = cost.program_cost(compiled.as_text(), chip)
+    assert planned["flops"] == 4 * 2 * n ** 3
+    at_peak = planned["flops"] / chip.peak_flops
+    assert at_peak <= planned["step_s"] <= at_peak / 0.9
+
+
+def test_the_traffic_of_a_fused_elementwise_program():
+    """x * 2 + y over [2048, 2048] f32: one fusion reading x and y and writing the result, 3 x 16 MiB, no FLOPs
+    on the MXU; its roofline is those bytes over HBM bandwidth, XLA:TPU's cycle estimate within 50% of it."""
+    n = 2048
+    chip, compiled = compile_on("v5p", lambda x, y: x * 2 + y, ((n, n), F32), ((n, n), F32))
+    planned = cost.program_cost(compiled.as_text(), chip)
+    moved = 3 * n * n * 4
+    assert planned["flops"] == 0
+    assert planned["roofline_s"] == pytest.approx(moved / chip.hbm_bw, rel=1e-6)
+    assert planned["roofline_s"] <= planned["step_s"] < 1.5 * planned["roofline_s"]
+
+
+@pytest.mark.slow   # as above, at 8192
+def test_a_loop_free_program_is_within_10_percent_of_xla_tpus_optimal_seconds():
+    """An 8192-wide layer, tanh(x @ w + b), on one v6e: XLA:TPU's own `optimal_seconds` for the whole program
+    against the plan summed instruction by instruction."""
+    n = 8192
+    chip, compiled = compile_on("v6e", lambda x, w, b: jnp.tanh(x @ w + b), ((n, n), BF16), ((n, n), BF16),
+                                ((n,), BF16))
+    optimal = compiled.cost_analysis()["optimal_seconds"]
+    planned = cost.program_cost(compiled.as_text(), chip)
+    assert planned["step_s"] == pytest.approx(optimal, rel=0.10)
+
+
+def test_an_all_gather_moves_its_ring_bytes_over_the_links_of_its_torus_dimension():
+    """An all-gather of a [4, 8192] f32 shard over 4 v5p chips on one torus dimension (topology 4x1x1): each chip
+    sends 3/4 of the [16, 8192] result, over both directions of that dimension's link."""
+    chip = chips.chip("v5p")
+    devices = chips.tpu_devices(chip, 4, "4x1x1")
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
+    x = jax.ShapeDtypeStruct((16, 8192), F32, sharding=NamedSharding(mesh, P("d")))
+    compiled = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P())).lower(x).compile()
+    planned = cost.program_cost(compiled.as_text(), chip, coords=[list(d.coords) for d in mesh.devices.flat])
+    per_direction = chip.link_bw / chip.links / 2
+    sent = 16 * 8192 * 4 * 3 / 4
+    assert planned["by_part"]["collectives"] == pytest.approx(sent / (2 * per_direction), rel=1e-6)
+
+
+def weights_found(model_cfg):
+    """measure.branch_weights for `model_cfg`, and a list that records each conditional it weighed."""
+    from lingpack.plan import measure
+    weights, hits = measure.branch_weights(model_cfg), []
+
+    def counted(op):
+        got = weights(op)
+        if got is not None:
+            hits.append(op.name)
+        return got
+    return counted, hits
+
+
+@pytest.mark.slow
+def test_a_small_ling3_steps_compiled_flops_are_train_flops_plus_its_remat():
+    """A 9-layer Ling3 (a scanned stack of KDA and MLA layers under the mixer cond, MoE, MTP), pallas_segment KDA
+    and splash attention, nothing_saveable remat, compiled by XLA:TPU for one v5p: the compiled program's FLOPs
+    (fusions' matmuls and the Mosaic kernels' CostEstimates, loop trip counts and the cond's layer shares in)
+    within 10% of train/flops.py's count plus the forward the remat policy recomputes; the cond's branch weights
+    are found by the stack's named scope."""
+    from lingpack import backend
+    from lingpack.models.kda import KDAConfig
+    from lingpack.models.ling3 import Ling3Config
+    from lingpack.models.mla import MLAConfig
+    from lingpack.models.moe import MoEConfig
+    from lingpack.plan import measure
+    from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
+    from lingpack.train.program import TrainProgram
+    T, rows = 1024, 2
+    model = Ling3Config(vocab_size=2048, emb_dim=256, num_layers=9, mlp_dim=512, kda=KDAConfig(num_heads=2, head_dim=128),
+                        kda_chunk_size=64, kda_impl="pallas_segment", attention_impl="splash", attention_block_size=512,
+                        remat=True, remat_policy="nothing_saveable", scan_layers=True, mtp_num_layers=1,
+                        mla=MLAConfig(num_heads=2, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                      v_head_dim=128), moe=MoEConfig(num_experts=8, top_k=2, expert_dim=256))
+    chip = chips.chip("v5p")
+    program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=3), ParallelConfig(data=1),
+                                 TrainConfig(), rows=rows, seq_length=T, devices=chips.tpu_devices(chip, 1))
+    with backend.target("tpu"):
+        text = program.lower().compile().as_text()
+    weights, hits = weights_found(model)
+    planned = cost.program_cost(text, chip, branch_weights=weights)
+    assert hits, "the layer stack's mixer cond was not found by its named scope"
+    from lingpack.train import flops as flops_lib
+    analytic = flops_lib.flops_per_token(model, T) * rows * T
+    assert planned["flops"] == pytest.approx(analytic + measure.remat_flops(model, T, rows * T), rel=0.10)

@@ -5,10 +5,7 @@
     cost     the step-time model of a compiled TPU program (fusions, Mosaic kernels, collectives)
     hlo      reading compiled HLO: instructions with loop trip counts, collectives, Pallas kernels
     chips    accelerator figures, each with its public source
+
+The package itself imports nothing, so the training code can read `lingpack.plan.hlo` without the CLI (and
+lingpack.config) coming along: `from lingpack.plan import cli` for the command line's functions.
 """
-
-from lingpack.plan.cli import (OUTPUT_KEYS, PlanConfig, compose, find_conf_dir, gib, main, plan, plan_config,
-                               run_config, split_arguments, table, use_fake_devices)
-
-__all__ = ["OUTPUT_KEYS", "PlanConfig", "compose", "find_conf_dir", "gib", "main", "plan", "plan_config",
-           "run_config", "split_arguments", "table", "use_fake_devices"]

@@ -69,7 +69,7 @@ def test_default_run_exports_with_its_modeling_file(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
     for row, idx in documents(batch):
         np.testing.assert_allclose(ours[row, idx], hf_logits(hf, batch, row, idx).numpy(), atol=1e-4, rtol=0)
-    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    tok = transformers.AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
     prompt = tok("ROMEO:", return_tensors="pt")["input_ids"]
     assert prompt[0].tolist() == list(b"ROMEO:")   # the byte-level tokenizer the run trained with
     generated = hf.generate(prompt, max_new_tokens=8, do_sample=False)

@@ -198,10 +198,9 @@ def _moe_flags(rc) -> list:
                    ("--moe-shared-expert-intermediate-size", e.num_shared_experts * e.expert_dim))
     flags += _when(e.n_groups > 1, ("--moe-router-num-groups", e.n_groups), ("--moe-router-group-topk", e.topk_groups))
     flags += _when(e.routed_scaling_factor != 1.0, ("--moe-router-topk-scaling-factor", e.routed_scaling_factor))
-    rate = rc.loss.expert_bias_update_rate if rc.loss.expert_bias_update_rate is not None else e.bias_update_rate
-    flags += _when(rate > 0, ("--moe-router-enable-expert-bias", None), ("--moe-router-bias-update-rate", rate))
-    z = rc.loss.moe_z_loss_weight if rc.loss.moe_z_loss_weight is not None else e.z_loss_coef
-    flags += _when(z > 0, ("--moe-z-loss-coeff", z))
+    flags += _when(e.bias_update_rate > 0, ("--moe-router-enable-expert-bias", None),
+                   ("--moe-router-bias-update-rate", e.bias_update_rate))
+    flags += _when(e.z_loss_coef > 0, ("--moe-z-loss-coeff", e.z_loss_coef))
     return flags
 
 
@@ -251,6 +250,10 @@ RULES: dict[str, Rule] = {
                                 "torch's generator and scales output projections by 1/sqrt(2 x num_layers); the two "
                                 "runs start from different weights"),
     "run_dir": no_loss(_RUNTIME), "notes": no_loss("messages of the config check"),
+    "model.init_from": unmapped(lambda rc: None if not rc.model.init_from else
+                                f"model.init_from={rc.model.init_from}: the run starts from these transformers "
+                                "weights; Megatron-LM starts from them only once they are converted to a Megatron "
+                                "checkpoint passed as --pretrained-checkpoint (no converter ships here)"),
     # data
     "data.source": maps(_data_flags, lambda rc: None if rc.data.source == "megatron" else
                         f"data.source={rc.data.source}: Megatron-LM reads .bin/.idx datasets; write the same documents "
@@ -293,8 +296,6 @@ RULES: dict[str, Rule] = {
                                    f"loss.z_loss_weight={rc.loss.z_loss_weight}: Megatron-LM has no output-logit "
                                    "z-loss (only --moe-z-loss-coeff on the router)"),
     "loss.mtp_loss_scale": part_of("model.mtp_num_layers"),
-    "loss.moe_z_loss_weight": part_of("model.moe.num_experts"),
-    "loss.expert_bias_update_rate": part_of("model.moe.num_experts"),
     # optimizer and schedule
     "optim.lr": maps(lambda rc: [("--lr", rc.optim.lr)]),
     "optim.min_lr": maps(lambda rc: [("--min-lr", rc.optim.min_lr)]),
@@ -353,7 +354,6 @@ RULES: dict[str, Rule] = {
     "model.moe.norm_topk_prob": unmapped(_topk_note),
     "model.moe.grouped_matmul": no_loss(_PERF), "model.moe.expert_parallel": no_loss(_PERF),
     "model.moe.expert_parallel_chunks": no_loss(_PERF),
-    "model.mtp.loss_scale": no_loss("not read by the loss: loss.mtp_loss_scale is the MTP factor"),
     "model.mtp.use_moe": unmapped(lambda rc: None if rc.model.mtp.use_moe or not rc.model.mtp_num_layers else
                                   "model.mtp.use_moe=false: Megatron-LM builds its MTP layer from the decoder's layer spec "
                                   "(MoE in an MoE model); no argument gives it a dense FFN"),

@@ -54,6 +54,12 @@ class MoEConfig:
     # devices (parallel/expert.py); "gather" all-gathers every expert onto every device instead
     expert_parallel: str = "all_to_all"
     expert_parallel_chunks: int = 1       # all_to_all: the device's tokens dispatched in this many rounds
+    # all_to_all: receive buffers hold this many times the balanced load; rows past it go in further exchange
+    # rounds, only when routing is that skewed (parallel/expert.py; nothing is dropped)
+    expert_parallel_capacity: float = 1.25
+    # all_to_all: "ragged" (XLA's ragged all-to-all), "dense" (all_to_all of capacity-sized buffers), or
+    # "auto" (backend.expert_exchange: what the chip supports)
+    expert_parallel_exchange: str = "auto"
 
     def __post_init__(self):
         E, G = self.num_experts, self.n_groups
@@ -69,6 +75,12 @@ class MoEConfig:
             raise ValueError(f"moe.grouped_matmul must be one of {GROUPED_MATMULS}; got {self.grouped_matmul!r}")
         if self.expert_parallel not in EXPERT_PARALLEL:
             raise ValueError(f"moe.expert_parallel must be one of {EXPERT_PARALLEL}; got {self.expert_parallel!r}")
+        if not self.expert_parallel_capacity > 0:
+            raise ValueError(f"moe.expert_parallel_capacity={self.expert_parallel_capacity} must be > 0 (1.0: "
+                             "buffers of the balanced load; 1.25 is the default)")
+        if self.expert_parallel_exchange not in ("auto", *expert.EXCHANGES):
+            raise ValueError(f"moe.expert_parallel_exchange must be one of {('auto', *expert.EXCHANGES)}; got "
+                             f"{self.expert_parallel_exchange!r}")
         if self.expert_parallel_chunks < 1:
             raise ValueError(f"moe.expert_parallel_chunks={self.expert_parallel_chunks} must be >= 1")
         if self.topk_groups * (E // G) < self.top_k:
@@ -200,35 +212,39 @@ class MoE(nnx.Module):
         mesh, tokens, layout = mapped
         expert_specs, gather, reduce, ep = _expert_weight_specs(layout, tokens, [w.shape for w in weights[2:]],
                                                                 self.cfg.expert_parallel == "all_to_all")
+        exchange = self.cfg.expert_parallel_exchange
+        exchange = backend.expert_exchange(mesh.devices.flat) if exchange == "auto" else exchange
 
         def local(x, router, bias, *experts_w):
             # experts split over `gather` axes (`exp`) come back whole here (their gradient is reduce-scattered);
             # split over `ep` axes they stay local and the tokens travel instead
             experts_w = [jax.lax.all_gather(e, gather, axis=0, tiled=True) if gather else e for e in experts_w]
-            y, idx, logits = self._route_and_dispatch(x, router, bias, *experts_w, ep=ep)
-            return (jax.lax.psum(y, reduce) if reduce else y), idx, logits   # widths split over `reduce`: partial sums
+            y, idx, logits, rounds = self._route_and_dispatch(x, router, bias, *experts_w, ep=ep, exchange=exchange)
+            y = jax.lax.psum(y, reduce) if reduce else y   # widths split over `reduce`: partial sums
+            return y, idx, logits, jnp.full(idx.shape[:2], rounds, jnp.int32)
 
         # router and bias enter replicated (small); their gradients are summed over devices by the transpose
-        return jax.shard_map(local, mesh=mesh, in_specs=(tokens, P(), P(), *expert_specs), out_specs=(tokens,) * 3,
+        return jax.shard_map(local, mesh=mesh, in_specs=(tokens, P(), P(), *expert_specs), out_specs=(tokens,) * 4,
                              check_vma=False)(x_BTD, *weights)
 
-    def _route_and_dispatch(self, x_BTD, router_DE, bias_E, wi_gate, wi_up, wo, ep=()):
+    def _route_and_dispatch(self, x_BTD, router_DE, bias_E, wi_gate, wi_up, wo, ep=(), exchange="ragged"):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         logits_NE = x_ND.astype(self.routing_dtype) @ router_DE  # fp32 routing (see the router's comment)
         idx_NK, weights_NK = route(logits_NE, bias_E, self.cfg)
-        y_ND = self._dispatch(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep)
-        return y_ND.reshape(B, T, D), idx_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1)
+        y_ND, rounds = self._dispatch(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep, exchange)
+        return y_ND.reshape(B, T, D), idx_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1), rounds
 
-    def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep=()) -> jax.Array:
-        """Sort assignments by expert, grouped matmuls (on the experts' devices over `ep` axes), weighted
-        scatter-add back; over `ep`, in `expert_parallel_chunks` rounds of the tokens."""
+    def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep=(), exchange="ragged"):
+        """(combined outputs [N, D], exchange rounds taken) from sorting assignments by expert, grouped matmuls
+        (on the experts' devices over `ep` axes) and a weighted sum back; over `ep`, in
+        `expert_parallel_chunks` slices of the tokens."""
         if ep:
-            body = lambda x, i, w: self._dispatch_rows(x, i, w, wi_gate, wi_up, wo, ep)
+            body = lambda x, i, w: self._dispatch_rows(x, i, w, wi_gate, wi_up, wo, ep, exchange)
             return expert.in_rounds(body, self.cfg.expert_parallel_chunks, x_ND, idx_NK, weights_NK)
-        return self._dispatch_rows(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep)
+        return self._dispatch_rows(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep, exchange)
 
-    def _dispatch_rows(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep) -> jax.Array:
+    def _dispatch_rows(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep, exchange):
         N, D = x_ND.shape
         k, E = idx_NK.shape[1], self.cfg.num_experts
         flat_expert = idx_NK.reshape(-1)
@@ -240,18 +256,24 @@ class MoE(nnx.Module):
         grouped = tiled_grouped_matmul if choice == "tiled" else jax.lax.ragged_dot
         wide = at_least_fp32(self.dtype)  # fp32 accumulation for bf16 (float64 for float64)
 
-        def experts_fn(x_MD, sizes):   # the experts held here (all E, or this device's E / EP under `ep`)
+        def experts_fn(w, x_MD, sizes):   # the experts held here (all E, or this device's E / EP under `ep`)
             mm = lambda a, w: grouped(a, w.astype(self.dtype), sizes, preferred_element_type=wide)
-            return mm((jax.nn.silu(mm(x_MD, wi_gate)) * mm(x_MD, wi_up)).astype(self.dtype), wo)
+            h = (jax.nn.silu(mm(x_MD, w[0])) * mm(x_MD, w[1])).astype(self.dtype)
+            return mm(h, w[2]).astype(self.dtype)   # outputs in the compute dtype (they travel back under `ep`)
 
-        y_sorted = (expert.dispatch(x_sorted, group_sizes, experts_fn, axis_name=ep, top_k=k) if ep
-                    else experts_fn(x_sorted, group_sizes))
-        y_NKD = jnp.zeros((N * k, D), wide).at[order].set(y_sorted).reshape(N, k, D)
-        return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK).astype(self.dtype)
+        if ep:
+            y_sorted, rounds = expert.dispatch(x_sorted, group_sizes, experts_fn, (wi_gate, wi_up, wo), axis_name=ep,
+                                               top_k=k, capacity=self.cfg.expert_parallel_capacity, exchange=exchange)
+        else:
+            y_sorted, rounds = experts_fn((wi_gate, wi_up, wo), x_sorted, group_sizes), jnp.ones((), jnp.int32)
+        y_NKD = jnp.zeros((N * k, D), self.dtype).at[order].set(y_sorted).reshape(N, k, D)
+        # the weighted sum over the top-k accumulates in fp32 (float64 for float64)
+        y_ND = jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(wide), preferred_element_type=wide)
+        return y_ND.astype(self.dtype), rounds
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
         B, T, D = x_BTD.shape
-        y_BTD, idx_BTK, logits_BTE = self.routed(x_BTD)
+        y_BTD, idx_BTK, logits_BTE, rounds_BT = self.routed(x_BTD)
         if self.shared_experts is not None:
             y_BTD = y_BTD + self.shared_experts(x_BTD)
         real_BT = jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0
@@ -265,7 +287,9 @@ class MoE(nnx.Module):
                "num_tokens": jnp.sum(real_BT).astype(logits_BTE.dtype),
                # the routing trace (parity/routing.py); unused outputs cost nothing under jit
                "expert_ids": idx_NK, "router_logits": jax.lax.stop_gradient(logits_NE),
-               "expert_bias": self.expert_bias[...]}
+               "expert_bias": self.expert_bias[...],
+               # exchange rounds the expert-parallel dispatch took (1 unless a receive buffer overflowed)
+               "dispatch_rounds": jnp.max(rounds_BT)}
         return y_BTD, aux
 
 

@@ -5,10 +5,13 @@ expert_bias` (the auxiliary-loss-free balancing bias), optionally limited to the
 `n_groups` groups (a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the
 unbiased scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
 Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
-token is ever dropped: `jax.lax.ragged_dot` on TPU (XLA:TPU's grouped matmul), `tiled_grouped_matmul` on
-CPU and GPU, where XLA expands ragged_dot into a dense dot of every row against every expert (E times the
-work; docs/kernels.md#moe-grouped-matmul measures it on CPU); on NVIDIA GPUs the expansion is
+token is ever dropped: Megablox's `gmm` on TPU (JAX's Pallas TPU kernel, `megablox_grouped_matmul`: its grid
+runs over the tiles that hold a group's rows only), `tiled_grouped_matmul` on CPU and GPU, where XLA expands
+ragged_dot into a dense dot of every row against every expert (E times the work; docs/kernels.md#moe-grouped-matmul
+measures it on CPU); on NVIDIA GPUs the expansion is
 openxla/xla:xla/hlo/transforms/expanders/ragged_dot_rewriter.cc, unless an experimental cuDNN flag is set.
+XLA:TPU runs `ragged_dot`'s forward and input gradient as Mosaic kernels of its own, but its weight gradient
+as a dense dot against every expert (experiments/expert_parallel/tpu.py measures it; docs/parallelism.md).
 Shared experts see every token. Under context parallelism every device dispatches its own tokens; with the
 experts split over axes that also split the tokens (`parallel.expert`), the assignments travel to the
 experts' devices by all-to-all (parallel/expert.py).
@@ -49,7 +52,7 @@ class MoEConfig:
     norm_topk_prob: bool = False
     bias_update_rate: float = 1e-3        # used by the training loop's `update_expert_bias` call
     z_loss_coef: float = 0.0              # Ling3: 2.9e-6; the loss module scales `router_z_loss` by it
-    grouped_matmul: str = "auto"          # "ragged_dot", "tiled", or "auto" (GROUPED_MATMUL_AUTO per platform)
+    grouped_matmul: str = "auto"          # "megablox", "ragged_dot", "tiled", or "auto" (GROUPED_MATMUL_AUTO)
     # experts split over axes that also split the tokens: "all_to_all" sends the tokens to the experts'
     # devices (parallel/expert.py); "gather" all-gathers every expert onto every device instead
     expert_parallel: str = "all_to_all"
@@ -88,9 +91,10 @@ class MoEConfig:
                              f" fewer than top_k={self.top_k}; raise topk_groups")
 
 
-GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+GROUPED_MATMULS = ("auto", "megablox", "ragged_dot", "tiled")
 EXPERT_PARALLEL = ("all_to_all", "gather")
-GROUPED_MATMUL_AUTO = {"tpu": "ragged_dot", "gpu": "tiled", "cpu": "tiled"}   # the module docstring says why
+GROUPED_MATMUL_AUTO = {"tpu": "megablox", "gpu": "tiled", "cpu": "tiled"}   # the module docstring says why
+MEGABLOX_TILE = 512   # Megablox tile edge (rows, contraction, output) where the matrix is at least this large
 TILE_ROWS = 32  # rows per tile of `tiled_grouped_matmul`: at most E * (TILE_ROWS - 1) filler rows per call
 
 
@@ -124,6 +128,30 @@ def tiled_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: jax.A
 
     y_tiles = jax.lax.map(lambda args: one_block(*args), (x_tiles, tile_expert.reshape(n_blocks, block)))
     return y_tiles.reshape(n_tiles * tile, -1)[dest_M]
+
+
+def megablox_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: jax.Array, *,
+                            preferred_element_type=None) -> jax.Array:
+    """`ragged_dot` semantics by Megablox's `gmm` (jax.experimental.pallas.ops.tpu.megablox; its own VJP).
+
+    Rows are padded to whole row tiles; rows past sum(group_sizes) (padding, or a receive buffer's free space),
+    which gmm leaves unwritten, come back zero. A Mosaic kernel: interpret mode on CPU (tests), a
+    ConfigError on GPU (backend.pallas_interpret).
+    """
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+    M, D = x_MD.shape
+    I = w_EDI.shape[2]
+    interpret = backend.pallas_interpret(None, kernel="Megablox gmm", alternative="moe.grouped_matmul=tiled",
+                                         emulate=None)
+    tm = min(MEGABLOX_TILE, -(-M // 128) * 128)
+    padded = -(-M // tm) * tm
+    used_M1 = (jnp.arange(M) < jnp.sum(group_sizes_E))[:, None]
+    # the input masked too: its gradient, which gmm's backward leaves unwritten past the groups, is zero there
+    x_pad = jnp.pad(jnp.where(used_M1, x_MD, jnp.zeros((), x_MD.dtype)), ((0, padded - M), (0, 0)))
+    out_dtype = preferred_element_type or x_MD.dtype
+    y = megablox.gmm(x_pad, w_EDI.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), out_dtype,
+                     (tm, min(MEGABLOX_TILE, D), min(MEGABLOX_TILE, I)), None, None, False, interpret)[:M]
+    return jnp.where(used_M1, y, jnp.zeros((), y.dtype))
 
 
 def _token_mapping(B: int, T: int):
@@ -253,7 +281,8 @@ class MoE(nnx.Module):
         group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
         choice = self.cfg.grouped_matmul
         choice = GROUPED_MATMUL_AUTO[backend.current()] if choice == "auto" else choice
-        grouped = tiled_grouped_matmul if choice == "tiled" else jax.lax.ragged_dot
+        grouped = {"tiled": tiled_grouped_matmul, "megablox": megablox_grouped_matmul,
+                   "ragged_dot": jax.lax.ragged_dot}[choice]
         wide = at_least_fp32(self.dtype)  # fp32 accumulation for bf16 (float64 for float64)
 
         def experts_fn(w, x_MD, sizes):   # the experts held here (all E, or this device's E / EP under `ep`)

@@ -136,7 +136,8 @@ def megablox_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: ja
 
     Rows are padded to whole row tiles; rows past sum(group_sizes) (padding, or a receive buffer's free space),
     which gmm leaves unwritten, come back zero. A Mosaic kernel: interpret mode on CPU (tests), a
-    ConfigError on GPU (backend.pallas_interpret).
+    ConfigError on GPU (backend.pallas_interpret). Mosaic refuses bf16 operands under
+    `jax_default_matmul_precision=highest` (an fp32 pass); bf16 runs at the default precision.
     """
     from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
     M, D = x_MD.shape

@@ -227,8 +227,9 @@ class MoE(nnx.Module):
         self.shared_experts = (MLP(D, I * cfg.num_shared_experts, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                if cfg.num_shared_experts else None)
 
-    def routed(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(routed experts' output [B, T, D], chosen experts int32 [B, T, k], fp32 router logits [B, T, E]).
+    def routed(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(routed experts' output [B, T, D], chosen experts int32 [B, T, k], fp32 router logits [B, T, E],
+        expert-parallel exchange rounds taken: int32 [B, T] on a mesh (each token's device's), else a scalar).
 
         On a mesh (an activation layout, or context parallelism alone) each device routes and dispatches its
         own tokens inside a shard_map over the token axes: a global sort over split rows would gather every

@@ -155,10 +155,15 @@ class _Plan:
         return forward, backward, mine_SL.sum(0)
 
 
+OVERFLOW_SCOPE = "expert_overflow_rounds"   # names the overflow loop in HLO metadata (op_name), where a cost
+                                            # model counting loops of unknown trip count once can find it
+
+
 def _rounds_loop(first, rest, rounds, carry):
     """`first(carry)`, then `rest(r, carry)` for r = 1 .. rounds - 1 (a while_loop, usually of no trip)."""
     carry = first(carry)
-    return jax.lax.while_loop(lambda c: c[0] < rounds, lambda c: (c[0] + 1, rest(c[0], c[1])), (1, carry))[1]
+    with jax.named_scope(OVERFLOW_SCOPE):
+        return jax.lax.while_loop(lambda c: c[0] < rounds, lambda c: (c[0] + 1, rest(c[0], c[1])), (1, carry))[1]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))

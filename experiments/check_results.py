@@ -35,7 +35,7 @@ def renderers() -> dict:
     from experiments.bench_train import bench as bench_train
     from experiments.context_parallel import attribution as cp_attribution, bench as cp_bench, context_schedule
     from experiments.context_parallel import model_memory, ring_memory
-    from experiments.expert_parallel import bench as ep_bench
+    from experiments.expert_parallel import bench as ep_bench, tpu as ep_tpu
     from experiments.loss_parity import run_parity
     from experiments.make_run import run_default
     from experiments.pallas_cost import cost_model
@@ -53,6 +53,7 @@ def renderers() -> dict:
     attribution = "experiments/context_parallel/results/attribution.json"
     ring_kinds = "experiments/context_parallel/results/ring_memory.json"
     expert = "experiments/expert_parallel/results/results.json"
+    expert_tpu = "experiments/expert_parallel/results/tpu.json"
     fill = "experiments/whole_document_packing/results/fill.json"
     return {
         "make_run": ("experiments/make_run/results/summary.json", run_default,
@@ -74,6 +75,7 @@ def renderers() -> dict:
         "cp_attribution": (attribution, cp_attribution, lambda: cp_attribution.table(_load(attribution))),
         "ring_memory": (ring_kinds, ring_memory, lambda: ring_memory.table(_load(ring_kinds))),
         "expert_parallel": (expert, ep_bench, lambda: ep_bench.table(_load(expert))),
+        "expert_parallel_tpu": (expert_tpu, ep_tpu, lambda: ep_tpu.table(_load(expert_tpu))),
         "whole_document_packing": (fill, packing_fill, lambda: packing_fill.table(_load(fill))),
     }
 

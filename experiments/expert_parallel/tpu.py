@@ -161,10 +161,22 @@ def _layer_row(label: str, cfg, axes: dict, devices, **extra) -> dict:
 def layer_part() -> list[dict]:
     base = flagship_moe()[0]
     devices, axes = tpu_devices("v5p:2x2x2"), dict(data=1, expert=8)
-    variants = {"worst-case buffers, 8 rounds": dict(expert_parallel_chunks=8, expert_parallel_capacity=8.0),
-                "capacity 1.25, one round": dict(expert_parallel_chunks=1, expert_parallel_capacity=1.25)}
     return [_layer_row(label, dataclasses.replace(base, **kw), axes, devices, settings=kw)
-            for label, kw in variants.items()]
+            for label, kw in list(LAYER_VARIANTS.items())[:2]]
+
+
+LAYER_VARIANTS = {"worst-case buffers, 8 rounds": dict(expert_parallel_chunks=8, expert_parallel_capacity=8.0),
+                  "capacity 1.25, one round": dict(expert_parallel_chunks=1, expert_parallel_capacity=1.25),
+                  "worst-case buffers, one round": dict(expert_parallel_chunks=1, expert_parallel_capacity=8.0)}
+
+
+def layer_one_round_part() -> list[dict]:
+    """Worst-case buffers in one round: what forced the flagship's 8 rounds."""
+    base = flagship_moe()[0]
+    label = "worst-case buffers, one round"
+    kw = LAYER_VARIANTS[label]
+    return [_layer_row(label, dataclasses.replace(base, **kw), dict(data=1, expert=8), tpu_devices("v5p:2x2x2"),
+                       settings=kw)]
 
 
 def receive_rows(row: dict, experts: int = 128, top_k: int = 8) -> int:
@@ -216,7 +228,7 @@ def table(result: dict) -> str:
                   "rounds' FLOPs are one round's):", "",
                   "| receive buffers | rows per receive buffer | temporaries (GiB) | peak (GiB) | "
                   "FLOPs, cost_analysis (T) |", "|---|---|---|---|---|"]
-        for r in result["layer"]:
+        for r in result["layer"] + result.get("layer_one_round", []):
             lines.append(f"| {r['variant']} | {receive_rows(r):,} | {r['temp_bytes'] / GIB:.2f} | "
                          f"{r['peak_bytes'] / GIB:.2f} | {r['flops'] / 1e12:.2f} |")
         lines.append("")
@@ -227,13 +239,17 @@ def table(result: dict) -> str:
                      f"peak {auto['peak_bytes'] / GIB:.2f} GiB per device); `ragged` forced: "
                      + ("compiles." if forced["compiled"] else f"refused (`{forced['error'][:160]}`)."))
         lines.append("")
-    lines.append(f"Commit {result.get('commit', '-')}, libtpu {result.get('libtpu', '-')}; {result.get('machine', '-')}.")
+    commits = ", ".join(f"{part} at {commit}" for part, commit in result.get("commits", {}).items())
+    lines.append(f"Commits: {commits}; libtpu {result.get('libtpu', '-')}; {result.get('machine', '-')}.")
     return "\n".join(lines) + "\n"
+
+
+PARTS = ("grouped_matmul", "layer", "layer_one_round", "v5e")
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", action="append", choices=("grouped_matmul", "layer", "v5e"))
+    parser.add_argument("--part", action="append", choices=PARTS)
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args()
     path = OUT / "tpu.json"
@@ -241,11 +257,13 @@ def main():
     if not args.table_only:
         from importlib.metadata import version
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-        result.update(commit=git.stdout.strip(), libtpu=version("libtpu"),
+        result.update(libtpu=version("libtpu"),
                       machine=f"compiled on {platform.machine()} CPU, {os.cpu_count()} cores, shared")
-        parts = {"grouped_matmul": grouped_matmul_part, "layer": layer_part, "v5e": v5e_part}
-        for name in args.part or parts:
+        parts = {"grouped_matmul": grouped_matmul_part, "layer": layer_part, "layer_one_round": layer_one_round_part,
+                 "v5e": v5e_part}
+        for name in args.part or PARTS:
             result[name] = parts[name]()
+            result.setdefault("commits", {})[name] = git.stdout.strip()
         OUT.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
     text = table(result)

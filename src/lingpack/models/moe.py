@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from lingpack import backend
+from lingpack.errors import ConfigError
 from lingpack.models.layers import DEFAULT_INIT, MLP, partitioned
 from lingpack.parallel import expert
 from lingpack.parallel.context import current, dividing_axes
@@ -94,7 +95,13 @@ class MoEConfig:
 GROUPED_MATMULS = ("auto", "megablox", "ragged_dot", "tiled")
 EXPERT_PARALLEL = ("all_to_all", "gather")
 GROUPED_MATMUL_AUTO = {"tpu": "megablox", "gpu": "tiled", "cpu": "tiled"}   # the module docstring says why
-MEGABLOX_TILE = 512   # Megablox tile edge (rows, contraction, output) where the matrix is at least this large
+MEGABLOX_TILES = (512, 256, 128)   # Megablox tile edges tried (Mosaic blocks: multiples of 128 lanes)
+
+
+def megablox_tile(D: int, I: int) -> int | None:
+    """The largest tile edge dividing both matrix widths (gmm's backward swaps the contraction and output
+    dimensions under the same tiling), or None: Megablox cannot tile them on TPU."""
+    return next((t for t in MEGABLOX_TILES if D % t == 0 and I % t == 0), None)
 TILE_ROWS = 32  # rows per tile of `tiled_grouped_matmul`: at most E * (TILE_ROWS - 1) filler rows per call
 
 
@@ -144,14 +151,19 @@ def megablox_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: ja
     I = w_EDI.shape[2]
     interpret = backend.pallas_interpret(None, kernel="Megablox gmm", alternative="moe.grouped_matmul=tiled",
                                          emulate=None)
-    tm = min(MEGABLOX_TILE, -(-M // 128) * 128)
+    tile = megablox_tile(D, I)
+    if tile is None and not interpret:
+        raise ConfigError(f"moe.grouped_matmul=megablox tiles widths by multiples of 128; got {D} x {I} "
+                          "(emb_dim x expert_dim): use moe.grouped_matmul=ragged_dot")
+    tk, tn = (tile, tile) if tile else (D, I)   # interpret mode: any block
+    tm = min(MEGABLOX_TILES[0], -(-M // 128) * 128)
     padded = -(-M // tm) * tm
     used_M1 = (jnp.arange(M) < jnp.sum(group_sizes_E))[:, None]
     # the input masked too: its gradient, which gmm's backward leaves unwritten past the groups, is zero there
     x_pad = jnp.pad(jnp.where(used_M1, x_MD, jnp.zeros((), x_MD.dtype)), ((0, padded - M), (0, 0)))
     out_dtype = preferred_element_type or x_MD.dtype
     y = megablox.gmm(x_pad, w_EDI.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), out_dtype,
-                     (tm, min(MEGABLOX_TILE, D), min(MEGABLOX_TILE, I)), None, None, False, interpret)[:M]
+                     (tm, tk, tn), None, None, False, interpret)[:M]
     return jnp.where(used_M1, y, jnp.zeros((), y.dtype))
 
 
@@ -282,7 +294,9 @@ class MoE(nnx.Module):
         x_sorted = x_ND[order // k].astype(self.dtype)
         group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
         choice = self.cfg.grouped_matmul
-        choice = GROUPED_MATMUL_AUTO[backend.current()] if choice == "auto" else choice
+        if choice == "auto":   # Megablox where it tiles the widths, XLA:TPU's ragged_dot for narrower ones
+            choice = GROUPED_MATMUL_AUTO[backend.current()]
+            choice = "ragged_dot" if choice == "megablox" and megablox_tile(D, self.cfg.expert_dim) is None else choice
         grouped = {"tiled": tiled_grouped_matmul, "megablox": megablox_grouped_matmul,
                    "ragged_dot": jax.lax.ragged_dot}[choice]
         wide = at_least_fp32(self.dtype)  # fp32 accumulation for bf16 (float64 for float64)

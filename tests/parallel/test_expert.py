@@ -184,6 +184,7 @@ def test_capacity_buffers_equal_one_device(exchange, skew):
         assert rounds == _rounds_wanted(cfg, load_E, B * T // 8, 8, exchange), (rounds, load_E)
 
 
+@pytest.mark.slow   # both exchanges equal one device in the default suite's skewed case already
 def test_dense_exchange_equals_ragged():
     """The two exchanges (dense all_to_all of capacity buffers; the ragged one's CPU stand-in) give the same
     outputs and gradients on skewed routing, with a capacity under the balanced load (more rounds still)."""

@@ -9,8 +9,9 @@ the program a TPU run would build (Mosaic kernels, not interpret mode):
 
 Outside any `target(...)` the platform is `jax.default_backend()` ("cuda"/"rocm" read as "gpu").
 The choices that read it: Pallas interpret mode (`pallas_interpret`), the MoE grouped matmul
-(`models/moe.py`) and `attention_impl: auto` (`kernels/attention/api.py`); docs/kernels.md lists each
-platform's side.
+(`models/moe.py`), `attention_impl: auto` (`kernels/attention/api.py`) and the expert-parallel exchange
+(`expert_exchange`, which also reads the chip generation from the mesh's devices); docs/kernels.md lists each
+platform's side, docs/parallelism.md the exchange's.
 """
 
 from __future__ import annotations
@@ -95,3 +96,30 @@ def pallas_interpret(requested: bool | None, *, kernel: str, alternative: str, n
     hint = f" (or {emulate}, for debugging only)" if emulate else ""
     raise ConfigError(f"{kernel} is a Pallas {LOWERINGS[native]} kernel and has no {platform.upper()} lowering; use "
                       f"{alternative} on {platform.upper()}{hint}")
+
+
+# XLA:TPU's ragged all-to-all stops with "Ragged all-to-all is currently not supported in limited ICI routing
+# settings" on these device kinds past this many chips in a slice (libtpu 0.0.42.1, compiled from a CPU host:
+# v5e 2x2, 2x4 and 4x4 compile, 4x8 and 8x8 refuse; v5p to 4x4x4 and v6e to 16x16 compile; docs/parallelism.md)
+RAGGED_ALL_TO_ALL_MAX_CHIPS = {"TPU v5 lite": 16, "TPU v5e": 16}
+
+
+def expert_exchange(devices) -> str:
+    """The expert-parallel exchange for a program over `devices` (the mesh's): "ragged" (XLA's ragged
+    all-to-all; parallel/expert.py) or "dense" (an all_to_all of capacity-sized buffers).
+
+    CPU: "dense" (XLA:CPU has no ragged all-to-all). GPU: "ragged". TPU: "ragged" unless the chip's device
+    kind (`device.device_kind`, e.g. "TPU v5 lite" for v5e) refuses it at this slice size
+    (RAGGED_ALL_TO_ALL_MAX_CHIPS). Traced for TPU on CPU devices (export) the generation is unknown: "ragged".
+    """
+    platform = current()
+    if platform == "cpu":
+        return "dense"
+    devices = list(devices)
+    if platform == "tpu" and devices:
+        limit = RAGGED_ALL_TO_ALL_MAX_CHIPS.get(devices[0].device_kind)
+        first = getattr(devices[0], "slice_index", 0)
+        chips = sum(getattr(d, "slice_index", 0) == first for d in devices)   # chips of one slice in the mesh
+        if limit is not None and chips > limit:
+            return "dense"
+    return "ragged"

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lingpack.models.moe import MoE, MoEConfig, route, tiled_grouped_matmul, update_expert_bias
+from lingpack.models.moe import (MoE, MoEConfig, megablox_grouped_matmul, route, tiled_grouped_matmul,
+                                  update_expert_bias)
 from tests.optional import lazy
 
 torch = lazy("torch")   # one oracle test; the others run without the parity extra
@@ -43,7 +44,7 @@ def load_into_kimi(hf, moe) -> None:
 call = nnx.jit(lambda moe, *args: moe(*args))  # one compile per case, not one per eager op
 
 
-@pytest.mark.parametrize("grouped_matmul", ["tiled", "ragged_dot"])
+@pytest.mark.parametrize("grouped_matmul", ["tiled", "ragged_dot", "megablox"])
 def test_dispatch_equals_dense_loop_over_experts(grouped_matmul):
     moe = make_moe(dataclasses.replace(CFG, grouped_matmul=grouped_matmul))
     x = jax.random.normal(jax.random.key(5), (2, 13, 24))
@@ -163,3 +164,21 @@ def test_tiled_grouped_matmul_equals_ragged_dot(sizes, block):
     grads = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))(x, w)
     for a, b in zip(grads(tiled), grads(ragged)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_megablox_grouped_matmul_equals_ragged_dot():
+    """Megablox's gmm (TPU's grouped matmul; interpret mode here): ragged_dot's rows and gradients, including
+    an empty group and free rows past the groups (a receive buffer's), which come back zero."""
+    rng = np.random.default_rng(7)
+    sizes, M = [30, 0, 100, 50], 200                   # 20 free rows at the end
+    x = jnp.asarray(rng.standard_normal((M, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((len(sizes), 64, 48)), jnp.float32)
+    groups = jnp.asarray(sizes, jnp.int32)
+    mega = jax.jit(lambda x, w: megablox_grouped_matmul(x, w, groups))
+    ragged = jax.jit(lambda x, w: jax.lax.ragged_dot(x, w, groups))
+    got = np.asarray(mega(x, w))
+    np.testing.assert_allclose(got, ragged(x, w), atol=1e-4, rtol=1e-5)
+    assert np.all(got[sum(sizes):] == 0)
+    grads = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))(x, w)
+    for a, b in zip(grads(mega), grads(ragged)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)

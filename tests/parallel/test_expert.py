@@ -5,6 +5,9 @@
 - One MoE layer with its experts split over `expert` (and data / fsdp / tensor / context beside it) equals one
   device: outputs, load counts, z-loss and every gradient (fp32, rel 1e-5); the compiled program has
   all-to-alls, no all-gather of a whole [E, D, I] expert tensor and no all-reduce of an [N*k, D] buffer.
+- Capacity-sized receive buffers (`moe.expert_parallel_capacity`): both exchanges (`ragged`, on CPU its
+  stand-in, and `dense`) equal one device for balanced and skewed routing; the skewed one takes the overflow
+  rounds the counts call for, and the two exchanges agree with each other.
 - Traced for TPU and GPU the same layer lowers with XLA's ragged all-to-all (jax.export).
 """
 
@@ -88,7 +91,8 @@ def _layer_grads(cfg, parallel: ParallelConfig | None, padding=3, skew=None, run
     def loss(params, x, seg):
         with activation_layout(layout):
             y, aux = nnx.merge(graphdef, params)(x, seg)
-        return jnp.sum(y * w) + aux["router_z_loss"], (y, aux["load_counts"], aux["router_z_loss"], aux["num_tokens"])
+        return jnp.sum(y * w) + aux["router_z_loss"], (y, aux["load_counts"], aux["router_z_loss"], aux["num_tokens"],
+                                                       aux["dispatch_rounds"])
 
     fn = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
     if layout is not None:   # parameters and rows placed as the train step places them
@@ -149,8 +153,53 @@ def test_ragged_all_to_all_on_accelerators():
     for platform in ("tpu", "cuda"):
         with backend.target(platform):
             text = jax.export.export(fn, platforms=[platform], disabled_checks=waived)(*specs).mlir_module()
-        assert text.count(f"custom_call @{expert.RAGGED_ALL_TO_ALL}") == 4, platform   # 2 forward, 2 transposed
+        # forward: 2 in the first round, 2 in the overflow rounds' loop; the backward's the same again
+        assert text.count(f"custom_call @{expert.RAGGED_ALL_TO_ALL}") == 8, platform
     assert expert.RAGGED_ALL_TO_ALL not in fn.lower(*args).as_text()
+
+
+def _rounds_wanted(cfg, load_E, tokens_per_device: int, R: int, exchange: str) -> int:
+    """The rounds a one-expert-per-device (E = R) dispatch takes: each device's whole load in windows."""
+    M = tokens_per_device * cfg.top_k
+    window, _, _ = expert.buffer_rows(M, R, cfg.num_experts // R, cfg.top_k, cfg.expert_parallel_capacity, exchange)
+    assert exchange == "ragged" and cfg.num_experts == R   # a device's receive stream is its expert's load
+    return max(1, int(np.max(-(-np.asarray(load_E) // window))))
+
+
+@pytest.mark.parametrize("exchange", ["ragged", "dense"])
+@pytest.mark.parametrize("skew", [None, 5], ids=["balanced", "skewed"])
+def test_capacity_buffers_equal_one_device(exchange, skew):
+    """EP=8 with receive buffers of 1.25x the balanced load: outputs and gradients equal one device; all
+    tokens sent to one expert overflow and take further rounds, every row still computed."""
+    cfg = dataclasses.replace(CFG, expert_parallel_exchange=exchange, expert_parallel_capacity=1.25)
+    got, _, _ = _layer_grads(cfg, ParallelConfig(data=1, expert=8), padding=0, skew=skew)
+    ref = _layer_grads(cfg, None, padding=0, skew=skew)[0]
+    _assert_equal(got, ref)
+    load_E, rounds = got[1][1], int(got[1][4])
+    if skew is None:
+        assert ref[1][4] == 1 and rounds >= 1
+    else:
+        assert load_E[skew] == B * T   # every token chose expert `skew`: device 5 receives 8x a balanced load
+        assert rounds > 1, rounds
+    if exchange == "ragged":
+        assert rounds == _rounds_wanted(cfg, load_E, B * T // 8, 8, exchange), (rounds, load_E)
+
+
+@pytest.mark.slow   # both exchanges equal one device in the default suite's skewed case already
+def test_dense_exchange_equals_ragged():
+    """The two exchanges (dense all_to_all of capacity buffers; the ragged one's CPU stand-in) give the same
+    outputs and gradients on skewed routing, with a capacity under the balanced load (more rounds still)."""
+    runs = [_layer_grads(dataclasses.replace(CFG, expert_parallel_exchange=exchange, expert_parallel_capacity=0.5),
+                         ParallelConfig(data=2, expert=4), skew=3)[0] for exchange in ("ragged", "dense")]
+    _assert_equal(*runs)
+    assert runs[0][1][4] > 1 and runs[1][1][4] > 1
+
+
+def test_capacity_must_be_positive():
+    with pytest.raises(ValueError, match="expert_parallel_capacity=0 must be > 0"):
+        dataclasses.replace(CFG, expert_parallel_capacity=0)
+    with pytest.raises(ValueError, match="expert_parallel_exchange must be one of"):
+        dataclasses.replace(CFG, expert_parallel_exchange="sparse")
 
 
 MATRIX = {

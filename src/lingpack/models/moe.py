@@ -5,10 +5,13 @@ expert_bias` (the auxiliary-loss-free balancing bias), optionally limited to the
 `n_groups` groups (a group's score = sum of its 2 best biased scores); the chosen experts are WEIGHTED by the
 unbiased scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
 Dispatch: the N*k (token, expert) assignments are sorted by expert and run as grouped matmuls, so no
-token is ever dropped: `jax.lax.ragged_dot` on TPU (XLA:TPU's grouped matmul), `tiled_grouped_matmul` on
-CPU and GPU, where XLA expands ragged_dot into a dense dot of every row against every expert (E times the
-work; docs/kernels.md#moe-grouped-matmul measures it on CPU); on NVIDIA GPUs the expansion is
+token is ever dropped: Megablox's `gmm` on TPU (JAX's Pallas TPU kernel, `megablox_grouped_matmul`: its grid
+runs over the tiles that hold a group's rows only), `tiled_grouped_matmul` on CPU and GPU, where XLA expands
+ragged_dot into a dense dot of every row against every expert (E times the work; docs/kernels.md#moe-grouped-matmul
+measures it on CPU); on NVIDIA GPUs the expansion is
 openxla/xla:xla/hlo/transforms/expanders/ragged_dot_rewriter.cc, unless an experimental cuDNN flag is set.
+XLA:TPU runs `ragged_dot`'s forward and input gradient as Mosaic kernels of its own, but its weight gradient
+as a dense dot against every expert (experiments/expert_parallel/tpu.py measures it; docs/parallelism.md).
 Shared experts see every token. Under context parallelism every device dispatches its own tokens; with the
 experts split over axes that also split the tokens (`parallel.expert`), the assignments travel to the
 experts' devices by all-to-all (parallel/expert.py).
@@ -30,6 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from lingpack import backend
+from lingpack.errors import ConfigError
 from lingpack.models.layers import DEFAULT_INIT, MLP, partitioned
 from lingpack.parallel import expert
 from lingpack.parallel.context import current, dividing_axes
@@ -49,11 +53,17 @@ class MoEConfig:
     norm_topk_prob: bool = False
     bias_update_rate: float = 1e-3        # the train step's `update_expert_bias` rate (auxiliary-loss-free)
     z_loss_coef: float = 0.0              # Ling3: 2.9e-6; the objective adds it times the router z-loss
-    grouped_matmul: str = "auto"          # "ragged_dot", "tiled", or "auto" (GROUPED_MATMUL_AUTO per platform)
+    grouped_matmul: str = "auto"          # "megablox", "ragged_dot", "tiled", or "auto" (GROUPED_MATMUL_AUTO per platform)
     # experts split over axes that also split the tokens: "all_to_all" sends the tokens to the experts'
     # devices (parallel/expert.py); "gather" all-gathers every expert onto every device instead
     expert_parallel: str = "all_to_all"
     expert_parallel_chunks: int = 1       # all_to_all: the device's tokens dispatched in this many rounds
+    # all_to_all: receive buffers hold this many times the balanced load; rows past it go in further exchange
+    # rounds, only when routing is that skewed (parallel/expert.py; nothing is dropped)
+    expert_parallel_capacity: float = 1.25
+    # all_to_all: "ragged" (XLA's ragged all-to-all), "dense" (all_to_all of capacity-sized buffers), or
+    # "auto" (backend.expert_exchange: what the chip supports)
+    expert_parallel_exchange: str = "auto"
 
     def __post_init__(self):
         E, G = self.num_experts, self.n_groups
@@ -69,6 +79,12 @@ class MoEConfig:
             raise ValueError(f"moe.grouped_matmul must be one of {GROUPED_MATMULS}; got {self.grouped_matmul!r}")
         if self.expert_parallel not in EXPERT_PARALLEL:
             raise ValueError(f"moe.expert_parallel must be one of {EXPERT_PARALLEL}; got {self.expert_parallel!r}")
+        if not self.expert_parallel_capacity > 0:
+            raise ValueError(f"moe.expert_parallel_capacity={self.expert_parallel_capacity} must be > 0 (1.0: "
+                             "buffers of the balanced load; 1.25 is the default)")
+        if self.expert_parallel_exchange not in ("auto", *expert.EXCHANGES):
+            raise ValueError(f"moe.expert_parallel_exchange must be one of {('auto', *expert.EXCHANGES)}; got "
+                             f"{self.expert_parallel_exchange!r}")
         if self.expert_parallel_chunks < 1:
             raise ValueError(f"moe.expert_parallel_chunks={self.expert_parallel_chunks} must be >= 1")
         if self.topk_groups * (E // G) < self.top_k:
@@ -76,9 +92,16 @@ class MoEConfig:
                              f" fewer than top_k={self.top_k}; raise topk_groups")
 
 
-GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+GROUPED_MATMULS = ("auto", "megablox", "ragged_dot", "tiled")
 EXPERT_PARALLEL = ("all_to_all", "gather")
-GROUPED_MATMUL_AUTO = {"tpu": "ragged_dot", "gpu": "tiled", "cpu": "tiled"}   # the module docstring says why
+GROUPED_MATMUL_AUTO = {"tpu": "megablox", "gpu": "tiled", "cpu": "tiled"}   # the module docstring says why
+MEGABLOX_TILES = (512, 256, 128)   # Megablox tile edges tried (Mosaic blocks: multiples of 128 lanes)
+
+
+def megablox_tile(D: int, I: int) -> int | None:
+    """The largest tile edge dividing both matrix widths (gmm's backward swaps the contraction and output
+    dimensions under the same tiling), or None: Megablox cannot tile them on TPU."""
+    return next((t for t in MEGABLOX_TILES if D % t == 0 and I % t == 0), None)
 TILE_ROWS = 32  # rows per tile of `tiled_grouped_matmul`: at most E * (TILE_ROWS - 1) filler rows per call
 
 
@@ -112,6 +135,36 @@ def tiled_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: jax.A
 
     y_tiles = jax.lax.map(lambda args: one_block(*args), (x_tiles, tile_expert.reshape(n_blocks, block)))
     return y_tiles.reshape(n_tiles * tile, -1)[dest_M]
+
+
+def megablox_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: jax.Array, *,
+                            preferred_element_type=None) -> jax.Array:
+    """`ragged_dot` semantics by Megablox's `gmm` (jax.experimental.pallas.ops.tpu.megablox; its own VJP).
+
+    Rows are padded to whole row tiles; rows past sum(group_sizes) (padding, or a receive buffer's free space),
+    which gmm leaves unwritten, come back zero. A Mosaic kernel: interpret mode on CPU (tests), a
+    ConfigError on GPU (backend.pallas_interpret). Mosaic refuses bf16 operands under
+    `jax_default_matmul_precision=highest` (an fp32 pass); bf16 runs at the default precision.
+    """
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+    M, D = x_MD.shape
+    I = w_EDI.shape[2]
+    interpret = backend.pallas_interpret(None, kernel="Megablox gmm", alternative="moe.grouped_matmul=tiled",
+                                         emulate=None)
+    tile = megablox_tile(D, I)
+    if tile is None and not interpret:
+        raise ConfigError(f"moe.grouped_matmul=megablox tiles widths by multiples of 128; got {D} x {I} "
+                          "(emb_dim x expert_dim): use moe.grouped_matmul=ragged_dot")
+    tk, tn = (tile, tile) if tile else (D, I)   # interpret mode: any block
+    tm = min(MEGABLOX_TILES[0], -(-M // 128) * 128)
+    padded = -(-M // tm) * tm
+    used_M1 = (jnp.arange(M) < jnp.sum(group_sizes_E))[:, None]
+    # the input masked too: its gradient, which gmm's backward leaves unwritten past the groups, is zero there
+    x_pad = jnp.pad(jnp.where(used_M1, x_MD, jnp.zeros((), x_MD.dtype)), ((0, padded - M), (0, 0)))
+    out_dtype = preferred_element_type or x_MD.dtype
+    y = megablox.gmm(x_pad, w_EDI.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), out_dtype,
+                     (tm, tk, tn), None, None, False, interpret)[:M]
+    return jnp.where(used_M1, y, jnp.zeros((), y.dtype))
 
 
 def _token_mapping(B: int, T: int):
@@ -186,8 +239,9 @@ class MoE(nnx.Module):
         self.shared_experts = (MLP(D, I * cfg.num_shared_experts, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                if cfg.num_shared_experts else None)
 
-    def routed(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(routed experts' output [B, T, D], chosen experts int32 [B, T, k], fp32 router logits [B, T, E]).
+    def routed(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(routed experts' output [B, T, D], chosen experts int32 [B, T, k], fp32 router logits [B, T, E],
+        expert-parallel exchange rounds taken: int32 [B, T] on a mesh (each token's device's), else a scalar).
 
         On a mesh (an activation layout, or context parallelism alone) each device routes and dispatches its
         own tokens inside a shard_map over the token axes: a global sort over split rows would gather every
@@ -200,35 +254,39 @@ class MoE(nnx.Module):
         mesh, tokens, layout = mapped
         expert_specs, gather, reduce, ep = _expert_weight_specs(layout, tokens, [w.shape for w in weights[2:]],
                                                                 self.cfg.expert_parallel == "all_to_all")
+        exchange = self.cfg.expert_parallel_exchange
+        exchange = backend.expert_exchange(mesh.devices.flat) if exchange == "auto" else exchange
 
         def local(x, router, bias, *experts_w):
             # experts split over `gather` axes (`exp`) come back whole here (their gradient is reduce-scattered);
             # split over `ep` axes they stay local and the tokens travel instead
             experts_w = [jax.lax.all_gather(e, gather, axis=0, tiled=True) if gather else e for e in experts_w]
-            y, idx, logits = self._route_and_dispatch(x, router, bias, *experts_w, ep=ep)
-            return (jax.lax.psum(y, reduce) if reduce else y), idx, logits   # widths split over `reduce`: partial sums
+            y, idx, logits, rounds = self._route_and_dispatch(x, router, bias, *experts_w, ep=ep, exchange=exchange)
+            y = jax.lax.psum(y, reduce) if reduce else y   # widths split over `reduce`: partial sums
+            return y, idx, logits, jnp.full(idx.shape[:2], rounds, jnp.int32)
 
         # router and bias enter replicated (small); their gradients are summed over devices by the transpose
-        return jax.shard_map(local, mesh=mesh, in_specs=(tokens, P(), P(), *expert_specs), out_specs=(tokens,) * 3,
+        return jax.shard_map(local, mesh=mesh, in_specs=(tokens, P(), P(), *expert_specs), out_specs=(tokens,) * 4,
                              check_vma=False)(x_BTD, *weights)
 
-    def _route_and_dispatch(self, x_BTD, router_DE, bias_E, wi_gate, wi_up, wo, ep=()):
+    def _route_and_dispatch(self, x_BTD, router_DE, bias_E, wi_gate, wi_up, wo, ep=(), exchange="ragged"):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         logits_NE = x_ND.astype(self.routing_dtype) @ router_DE  # fp32 routing (see the router's comment)
         idx_NK, weights_NK = route(logits_NE, bias_E, self.cfg)
-        y_ND = self._dispatch(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep)
-        return y_ND.reshape(B, T, D), idx_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1)
+        y_ND, rounds = self._dispatch(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep, exchange)
+        return y_ND.reshape(B, T, D), idx_NK.reshape(B, T, -1), logits_NE.reshape(B, T, -1), rounds
 
-    def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep=()) -> jax.Array:
-        """Sort assignments by expert, grouped matmuls (on the experts' devices over `ep` axes), weighted
-        scatter-add back; over `ep`, in `expert_parallel_chunks` rounds of the tokens."""
+    def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep=(), exchange="ragged"):
+        """(combined outputs [N, D], exchange rounds taken) from sorting assignments by expert, grouped matmuls
+        (on the experts' devices over `ep` axes) and a weighted sum back; over `ep`, in
+        `expert_parallel_chunks` slices of the tokens."""
         if ep:
-            body = lambda x, i, w: self._dispatch_rows(x, i, w, wi_gate, wi_up, wo, ep)
+            body = lambda x, i, w: self._dispatch_rows(x, i, w, wi_gate, wi_up, wo, ep, exchange)
             return expert.in_rounds(body, self.cfg.expert_parallel_chunks, x_ND, idx_NK, weights_NK)
-        return self._dispatch_rows(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep)
+        return self._dispatch_rows(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep, exchange)
 
-    def _dispatch_rows(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep) -> jax.Array:
+    def _dispatch_rows(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep, exchange):
         N, D = x_ND.shape
         k, E = idx_NK.shape[1], self.cfg.num_experts
         flat_expert = idx_NK.reshape(-1)
@@ -236,22 +294,31 @@ class MoE(nnx.Module):
         x_sorted = x_ND[order // k].astype(self.dtype)
         group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
         choice = self.cfg.grouped_matmul
-        choice = GROUPED_MATMUL_AUTO[backend.current()] if choice == "auto" else choice
-        grouped = tiled_grouped_matmul if choice == "tiled" else jax.lax.ragged_dot
+        if choice == "auto":   # Megablox where it tiles the widths, XLA:TPU's ragged_dot for narrower ones
+            choice = GROUPED_MATMUL_AUTO[backend.current()]
+            choice = "ragged_dot" if choice == "megablox" and megablox_tile(D, self.cfg.expert_dim) is None else choice
+        grouped = {"tiled": tiled_grouped_matmul, "megablox": megablox_grouped_matmul,
+                   "ragged_dot": jax.lax.ragged_dot}[choice]
         wide = at_least_fp32(self.dtype)  # fp32 accumulation for bf16 (float64 for float64)
 
-        def experts_fn(x_MD, sizes):   # the experts held here (all E, or this device's E / EP under `ep`)
+        def experts_fn(w, x_MD, sizes):   # the experts held here (all E, or this device's E / EP under `ep`)
             mm = lambda a, w: grouped(a, w.astype(self.dtype), sizes, preferred_element_type=wide)
-            return mm((jax.nn.silu(mm(x_MD, wi_gate)) * mm(x_MD, wi_up)).astype(self.dtype), wo)
+            h = (jax.nn.silu(mm(x_MD, w[0])) * mm(x_MD, w[1])).astype(self.dtype)
+            return mm(h, w[2]).astype(self.dtype)   # outputs in the compute dtype (they travel back under `ep`)
 
-        y_sorted = (expert.dispatch(x_sorted, group_sizes, experts_fn, axis_name=ep, top_k=k) if ep
-                    else experts_fn(x_sorted, group_sizes))
-        y_NKD = jnp.zeros((N * k, D), wide).at[order].set(y_sorted).reshape(N, k, D)
-        return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK).astype(self.dtype)
+        if ep:
+            y_sorted, rounds = expert.dispatch(x_sorted, group_sizes, experts_fn, (wi_gate, wi_up, wo), axis_name=ep,
+                                               top_k=k, capacity=self.cfg.expert_parallel_capacity, exchange=exchange)
+        else:
+            y_sorted, rounds = experts_fn((wi_gate, wi_up, wo), x_sorted, group_sizes), jnp.ones((), jnp.int32)
+        y_NKD = jnp.zeros((N * k, D), self.dtype).at[order].set(y_sorted).reshape(N, k, D)
+        # the weighted sum over the top-k accumulates in fp32 (float64 for float64)
+        y_ND = jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(wide), preferred_element_type=wide)
+        return y_ND.astype(self.dtype), rounds
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
         B, T, D = x_BTD.shape
-        y_BTD, idx_BTK, logits_BTE = self.routed(x_BTD)
+        y_BTD, idx_BTK, logits_BTE, rounds_BT = self.routed(x_BTD)
         if self.shared_experts is not None:
             y_BTD = y_BTD + self.shared_experts(x_BTD)
         real_BT = jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0
@@ -265,7 +332,9 @@ class MoE(nnx.Module):
                "num_tokens": jnp.sum(real_BT).astype(logits_BTE.dtype),
                # the routing trace (parity/routing.py); unused outputs cost nothing under jit
                "expert_ids": idx_NK, "router_logits": jax.lax.stop_gradient(logits_NE),
-               "expert_bias": self.expert_bias[...]}
+               "expert_bias": self.expert_bias[...],
+               # exchange rounds the expert-parallel dispatch took (1 unless a receive buffer overflowed)
+               "dispatch_rounds": jnp.max(rounds_BT)}
         return y_BTD, aux
 
 

@@ -1,29 +1,42 @@
 """Expert parallelism by token all-to-all: each device computes only its own experts.
 
-Inside the MoE's shard_map (models/moe.py) every device has routed its own tokens and sorted its N*k
-(token, expert) assignments by expert. With the experts split over the `ep` mesh axes (R devices, E / R
+Inside the MoE's shard_map (models/moe.py) every device has routed its own tokens and sorted its M = N*k
+(token, expert) assignments by expert. With the experts split over the `ep` mesh axes (R devices, L = E / R
 consecutive experts each), `dispatch` then
 
-1. all-gathers the per-expert assignment counts (an [R, E] int32 table: the only global routing state),
+1. all-gathers the per-expert assignment counts (an [R, E] int32 table: the only global routing state, so
+   every device knows every device's load),
 2. sends every assignment row to the device that holds its expert, one slice per (device, local expert),
    written straight into the receiver's expert-major order (experts, then senders in device order),
 3. runs the local experts' grouped matmuls on what arrived,
 4. sends each result row back into the sender's sorted order, where the MoE combines as on one device.
 
-Nothing is dropped: the receive buffer holds R * N * min(k, E / R) rows, the case where every device sends
-all it can to one device (the dropless worst case; AI-Hypercomputer/maxtext:src/MaxText/layers/moe.py sizes
-it R * N * k).
-Each row visits the same expert with the same weights as on one device, so outputs and gradients agree with
-one device up to the summation order of the expert-weight gradients.
+Receive buffers are sized by a capacity factor over the balanced load, not for the worst case: balanced
+routing sends every device M rows, M / R from each sender. Two exchanges:
 
-The exchange is `jax.lax.ragged_all_to_all` on TPU and GPU. XLA:CPU has no ragged all-to-all, so on CPU
-(chosen by `lingpack.backend.current()`) `dense_ragged_all_to_all` computes the same result exactly with one
-`all_to_all` of per-destination buffers sized for the worst case. `backend.target("tpu")` traces the ragged
-program from a CPU host (for export).
+- `ragged` (XLA's ragged all-to-all; on CPU its exact stand-in): a device receives at most
+  `window = capacity x M` rows per round, in the order they land (its expert-major order).
+- `dense` (one `all_to_all` of fixed-size buffers, where a TPU refuses the ragged one; backend.py): a sender
+  sends at most `window = capacity x M / R` rows to each device per round; the receiver holds R windows.
+
+Nothing is dropped. Rows past the window wait for another round: round r carries the rows whose position in
+their window stream (the receiver's landing order, or the sender-receiver pair's) lies in [r w, (r + 1) w).
+The first round is always taken; the others (a `while_loop`, skipped unless some device overflows: every
+device reads the same counts table, so all take the same number) only when routing is that skewed. The
+rounds count comes back beside the outputs (the MoE's `dispatch_rounds` statistic).
+Each row visits the same expert with the same weights as on one device, so outputs agree with one device
+exactly and gradients up to the summation order of the expert-weight gradients. The backward is written out
+(`jax.custom_vjp`): round 0 keeps its expert residuals, a further round recomputes its exchange and experts
+(a while_loop has no reverse-mode derivative of its own).
+
+XLA:CPU has no ragged all-to-all: on CPU (`lingpack.backend.current()`) `dense_ragged_all_to_all` computes
+the ragged one's result exactly with one `all_to_all` of per-destination buffers. `backend.target("tpu")`
+traces the ragged program from a CPU host (for export).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -34,6 +47,8 @@ from lingpack.errors import ConfigError
 from lingpack.parallel.layout import axis_tuple
 
 RAGGED_ALL_TO_ALL = "ragged_all_to_all"   # its StableHLO custom-call target (jax.export waives its check by name)
+EXCHANGES = ("ragged", "dense")
+ALIGN = 8   # window rows are a multiple of this (the sublane count); of 128 (the MXU edge) from 1024 rows on
 
 
 def ep_axes(expert_spec_entry, token_axes: set):
@@ -52,7 +67,7 @@ def _exclusive_cumsum(x, axis=-1):
 
 def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                             axis_name, capacity: int | None = None):
-    """`jax.lax.ragged_all_to_all`'s result, computed with one dense `all_to_all` (for XLA:CPU).
+    """`jax.lax.ragged_all_to_all`'s result, computed with one dense `all_to_all`.
 
     Every slice bound for one device is packed into a [capacity, ...] buffer together with the row each
     element takes in the receiver's `output`; one all_to_all moves the R buffers and the receiver scatters
@@ -83,55 +98,162 @@ def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
     return output.at[dst_RC.reshape(-1)].set(rows.reshape(R * cap, *operand.shape[1:]), mode="drop")
 
 
-def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
-             capacity: int | None = None):
-    """The platform's ragged all-to-all: XLA's on TPU/GPU, `dense_ragged_all_to_all` on CPU."""
-    if backend.current() == "cpu":
-        return dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                       axis_name=axis_name, capacity=capacity)
-    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                     axis_name=axis_name)
+def _move(operand, output, slices, *, axis_name, ragged: bool, pair_rows: int):
+    """One exchange of `slices` (input offsets, send sizes, output offsets, receive sizes): XLA's ragged
+    all-to-all when `ragged` and not on CPU, else `dense_ragged_all_to_all` with `pair_rows` per device."""
+    if ragged and backend.current() != "cpu":
+        return jax.lax.ragged_all_to_all(operand, output, *slices, axis_name=axis_name)
+    return dense_ragged_all_to_all(operand, output, *slices, axis_name=axis_name, capacity=pair_rows)
 
 
-def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, *, axis_name, top_k: int = 1) -> jax.Array:
-    """Expert outputs of the rows `x_MD` (sorted by global expert, `sizes_E` rows each), computed where the
-    experts live; returned in the same order. Call inside a shard_map over `axis_name` (the EP group).
+def buffer_rows(M: int, R: int, local: int, top_k: int, capacity: float, exchange: str) -> tuple[int, int, int]:
+    """(window, receive buffer rows, rows one device sends one device per round) for M sorted rows a device
+    sends, R devices holding `local` experts each, a `capacity` factor over the balanced load.
 
-    `experts_fn(x_LD, group_sizes_L)` runs this device's E / R local experts on rows sorted by local expert
-    (rows past sum(group_sizes_L) are buffer space: their results are never sent back). `top_k`: the rows
-    are M / top_k tokens' distinct experts, so one device's L experts get at most min(top_k, L) rows of a
-    token: the buffers hold R * M / top_k * min(top_k, L) received rows, never fewer than can arrive.
+    The worst case caps all three: one device can send one device at most M / top_k * min(top_k, local)
+    rows (each token's distinct experts), so no window grows past what can ever arrive."""
+    pair_worst = M // top_k * min(top_k, local)
+    align = lambda rows: -(-rows // (128 if rows >= 1024 else ALIGN)) * (128 if rows >= 1024 else ALIGN)
+    if exchange == "ragged":
+        window = min(align(math.ceil(capacity * M)), R * pair_worst)
+        return window, window, min(window, pair_worst)
+    window = min(align(math.ceil(capacity * M / R)), pair_worst)
+    return window, R * window, window
+
+
+class _Plan:
+    """Who sends what to whom in each round, from the [R, E] counts table (identical on every device)."""
+
+    def __init__(self, counts_SE, M: int, top_k: int, capacity: float, exchange: str, axis_name):
+        R, E = counts_SE.shape
+        L = E // R
+        self.R, self.E, self.L, self.me = R, E, L, jax.lax.axis_index(axis_name)
+        self.window, self.rows, self.pair_rows = buffer_rows(M, R, L, top_k, capacity, exchange)
+        self.counts_SJL = counts_SE.reshape(R, R, L)                        # sender, holder, holder's expert
+        self.start_SE = _exclusive_cumsum(counts_SE)                        # each sender's sorted-row offsets
+        if exchange == "ragged":   # position in the holder's landing order: experts first, then senders
+            land_JLS = _exclusive_cumsum(self.counts_SJL.transpose(1, 2, 0).reshape(R, L * R)).reshape(R, L, R)
+            self.pos_SJL = land_JLS.transpose(2, 0, 1)
+        else:                      # position among the rows one sender sends one holder
+            self.pos_SJL = _exclusive_cumsum(self.counts_SJL, axis=2)
+        ends = self.pos_SJL + self.counts_SJL
+        self.rounds = jnp.maximum(1, jnp.max(-(-ends // self.window)))     # windows the longest stream fills
+
+    def round(self, r):
+        """(forward slices, backward slices, local experts' group sizes [L]) of round `r`."""
+        R, E, L, me, w = self.R, self.E, self.L, self.me, self.window
+        lo = jnp.clip(r * w - self.pos_SJL, 0, self.counts_SJL)            # slice rows sent in earlier rounds
+        n_SJL = jnp.clip((r + 1) * w - self.pos_SJL, 0, self.counts_SJL) - lo
+        # this round's rows land expert-major (then senders) from the top of the holder's buffer
+        land_JLS = _exclusive_cumsum(n_SJL.transpose(1, 2, 0).reshape(R, L * R)).reshape(R, L, R)
+        mine_SL = n_SJL[:, me]
+        forward = (self.start_SE[me] + lo[me].reshape(E), n_SJL[me].reshape(E),
+                   land_JLS[:, :, me].reshape(E), mine_SL.reshape(E))
+        back_to_SL = jax.lax.dynamic_slice_in_dim(self.start_SE, me * L, L, axis=1) + lo[:, me]
+        backward = (jax.lax.dynamic_index_in_dim(land_JLS, me, 0, keepdims=False).T.reshape(E), mine_SL.reshape(E),
+                    back_to_SL.reshape(E), n_SJL[me].reshape(E))
+        return forward, backward, mine_SL.sum(0)
+
+
+OVERFLOW_SCOPE = "expert_overflow_rounds"   # names the overflow loop in HLO metadata (op_name), where a cost
+                                            # model counting loops of unknown trip count once can find it
+
+
+def _rounds_loop(first, rest, rounds, carry):
+    """`first(carry)`, then `rest(r, carry)` for r = 1 .. rounds - 1 (a while_loop, usually of no trip)."""
+    carry = first(carry)
+    with jax.named_scope(OVERFLOW_SCOPE):
+        return jax.lax.while_loop(lambda c: c[0] < rounds, lambda c: (c[0] + 1, rest(c[0], c[1])), (1, carry))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def _dispatch(experts_fn, params, x_MD, counts_SE, static):
+    return _forward(experts_fn, params, x_MD, counts_SE, static)[0]
+
+
+def _forward(experts_fn, params, x_MD, counts_SE, static):
+    axis_name, top_k, capacity, exchange = static
+    plan = _Plan(counts_SE, x_MD.shape[0], top_k, capacity, exchange, axis_name)
+    move = functools.partial(_move, axis_name=axis_name, ragged=exchange == "ragged", pair_rows=plan.pair_rows)
+    buf = jnp.zeros((plan.rows, x_MD.shape[1]), x_MD.dtype)
+    out_D = jax.eval_shape(experts_fn, params, buf, jnp.zeros((plan.L,), jnp.int32)).shape[1]
+    kept = []
+
+    def one_round(r, y_MD, keep=False):
+        forward, backward, sizes_L = plan.round(r)
+        x_buf = move(x_MD, buf, forward)
+        if keep:   # round 0's residuals serve the backward (no recompute in the common one-round case)
+            y_buf, vjp = jax.vjp(lambda p, x: experts_fn(p, x, sizes_L), params, x_buf)
+            kept.append(vjp)
+        else:
+            y_buf = experts_fn(params, x_buf, sizes_L)
+        return move(y_buf.astype(x_MD.dtype), y_MD, backward)
+
+    y_MD = _rounds_loop(lambda y: one_round(0, y, keep=True), one_round, plan.rounds,
+                        jnp.zeros((x_MD.shape[0], out_D), x_MD.dtype))
+    return y_MD, (params, x_MD, counts_SE, kept[0])
+
+
+def _dispatch_fwd(experts_fn, params, x_MD, counts_SE, static):
+    return _forward(experts_fn, params, x_MD, counts_SE, static)
+
+
+def _dispatch_bwd(experts_fn, static, residuals, dy_MD):
+    axis_name, top_k, capacity, exchange = static
+    params, x_MD, counts_SE, vjp0 = residuals
+    plan = _Plan(counts_SE, x_MD.shape[0], top_k, capacity, exchange, axis_name)
+    move = functools.partial(_move, axis_name=axis_name, ragged=exchange == "ragged", pair_rows=plan.pair_rows)
+    D, out_D = x_MD.shape[1], dy_MD.shape[1]
+    dy_MD = dy_MD.astype(x_MD.dtype)   # cotangents travel in the compute dtype, as the outputs did
+
+    def first(carry):
+        dx_MD, dp = carry
+        forward, backward, _ = plan.round(0)
+        dp_r, dx_buf = vjp0(move(dy_MD, jnp.zeros((plan.rows, out_D), dy_MD.dtype), forward))
+        return move(dx_buf.astype(x_MD.dtype), dx_MD, backward), jax.tree.map(jnp.add, dp, dp_r)
+
+    def rest(r, carry):   # an overflow round: exchange its inputs and cotangents together, recompute its experts
+        dx_MD, dp = carry
+        forward, backward, sizes_L = plan.round(r)
+        both = move(jnp.concatenate([x_MD, dy_MD], 1), jnp.zeros((plan.rows, D + out_D), x_MD.dtype), forward)
+        _, vjp = jax.vjp(lambda p, x: experts_fn(p, x, sizes_L), params, both[:, :D])
+        dp_r, dx_buf = vjp(both[:, D:])
+        return move(dx_buf.astype(x_MD.dtype), dx_MD, backward), jax.tree.map(jnp.add, dp, dp_r)
+
+    zeros = (jnp.zeros_like(x_MD), jax.tree.map(jnp.zeros_like, params))
+    dx_MD, dparams = _rounds_loop(first, rest, plan.rounds, zeros)
+    return dparams, dx_MD, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, params, *, axis_name, top_k: int = 1,
+             capacity: float = 1.25, exchange: str = "ragged") -> tuple[jax.Array, jax.Array]:
+    """(expert outputs of the rows `x_MD`, in x's dtype and order; rounds taken, int32) where `x_MD` is
+    sorted by global expert (`sizes_E` rows each) and the experts live on the devices of `axis_name` (the EP
+    group; call inside a shard_map over it).
+
+    `experts_fn(params, x_LD, group_sizes_L)` runs this device's E / R local experts (`params`, a pytree)
+    on rows sorted by local expert (rows past sum(group_sizes_L) are buffer space, zero: their results are
+    never sent back). `top_k`: the rows are M / top_k tokens' distinct experts. `capacity`: receive buffers
+    hold `capacity` times the balanced load (module docstring); `exchange`: "ragged" or "dense".
     """
-    M, _ = x_MD.shape
-    E = sizes_E.shape[0]
-    me = jax.lax.axis_index(axis_name)
+    if exchange not in EXCHANGES:
+        raise ConfigError(f"expert exchange {exchange!r} is not one of {EXCHANGES}")
     counts_SE = jax.lax.all_gather(sizes_E.astype(jnp.int32), axis_name)   # [R senders, E]: row s = s's counts
-    R = counts_SE.shape[0]
-    local = E // R
-    per_peer = M // top_k * min(top_k, local)     # rows one device can send to (and get back from) one device
-    counts_SJL = counts_SE.reshape(R, R, local)                            # sender, holder, holder's expert
-    # where sender s's rows for expert (j, l) land on holder j: experts first, then senders in device order
-    land_JLS = _exclusive_cumsum(counts_SJL.transpose(1, 2, 0).reshape(R, local * R)).reshape(R, local, R)
-    start_SE = _exclusive_cumsum(counts_SE)                                # each sender's sorted-row offsets
-    mine_SL = counts_SJL[:, me]                                            # what each sender sends me
-    to_me = jax.lax.dynamic_index_in_dim(land_JLS, me, axis=0, keepdims=False)     # [L, S]
-    x_LD = exchange(x_MD, jnp.zeros((R * per_peer, x_MD.shape[1]), x_MD.dtype),
-                    start_SE[me], counts_SE[me], land_JLS[:, :, me].reshape(E), mine_SL.reshape(E),
-                    axis_name=axis_name, capacity=per_peer)
-    y_LD = experts_fn(x_LD, mine_SL.sum(0))
-    back_to = jax.lax.dynamic_slice_in_dim(start_SE, me * local, local, axis=1)    # [S, L] in senders' order
-    return exchange(y_LD, jnp.zeros((M, y_LD.shape[1]), y_LD.dtype),
-                    to_me.T.reshape(E), mine_SL.reshape(E), back_to.reshape(E), counts_SE[me],
-                    axis_name=axis_name, capacity=per_peer)
+    static = (axis_name, top_k, float(capacity), exchange)
+    rounds = _Plan(counts_SE, x_MD.shape[0], top_k, capacity, exchange, axis_name).rounds
+    return _dispatch(experts_fn, params, x_MD, counts_SE, static), rounds.astype(jnp.int32)
 
 
 def in_rounds(fn, rounds: int, *token_arrays):
     """`fn` over `rounds` consecutive slices of the token axis (axis 0), one after another (`lax.map`).
 
-    The same rows travel as in one round, but every exchange buffer (and the worst-case receive buffer
-    the grouped matmuls run over) is 1 / rounds the size; each token's result is unchanged. Each round is
-    rematerialised (`jax.checkpoint`): the backward recomputes its exchange and experts, so what stays
-    live between the forward and the backward is the rounds' inputs, not their buffers.
+    `fn` returns (rows [n, ...], a scalar): the rows come back in token order, the scalars' maximum beside
+    them. The same rows travel as in one round, but every exchange buffer is 1 / rounds the size; each
+    token's result is unchanged. Each round is rematerialised (`jax.checkpoint`): what stays live between
+    the forward and the backward is the rounds' inputs, not their buffers.
     """
     N = token_arrays[0].shape[0]
     if rounds == 1:
@@ -141,5 +263,5 @@ def in_rounds(fn, rounds: int, *token_arrays):
                           "(rows x sequence length per device); pick a divisor")
     split = [a.reshape(rounds, N // rounds, *a.shape[1:]) for a in token_arrays]
     one_round = jax.checkpoint(fn)
-    y = jax.lax.map(lambda args: one_round(*args), split)
-    return y.reshape(N, *y.shape[2:])
+    y, taken = jax.lax.map(lambda args: one_round(*args), split)
+    return y.reshape(N, *y.shape[2:]), jnp.max(taken)

@@ -1,0 +1,130 @@
+"""The expert exchange each TPU generation gets, compiled by XLA:TPU (libtpu, from this CPU host).
+
+- `backend.expert_exchange` reads the chip from the mesh's devices: ragged on v5p and on v5e slices of up to
+  16 chips, dense on a 32-chip v5e slice, dense on CPU.
+- The dispatch (forward + backward, EP=8) compiles for 32 v5e chips with the exchange the chip gets (dense:
+  an all-to-all, no ragged one) and for 8 v5p chips with the ragged one; the ragged exchange forced onto the
+  v5e slice is refused by XLA:TPU (the fact the choice rests on: if a libtpu lifts it, this test says so).
+  Slow: the same for one whole MoE layer.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")   # quiets libtpu's host probe
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other test processes may hold libtpu
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from lingpack import backend  # noqa: E402
+from lingpack.models.moe import MoE, MoEConfig  # noqa: E402
+from lingpack.parallel import expert  # noqa: E402
+from lingpack.parallel.layout import Layout, activation_layout  # noqa: E402
+from lingpack.train.configs import ParallelConfig  # noqa: E402
+from lingpack.train.sharding import make_mesh  # noqa: E402
+
+# the grouped matmul is XLA:TPU's ragged_dot: the exchange is under test, and Megablox's eight Mosaic kernels
+# would take most of the compile
+CFG = MoEConfig(num_experts=8, top_k=2, expert_dim=128, n_groups=1, num_shared_experts=0, grouped_matmul="ragged_dot")
+D, T = 128, 256
+
+
+@functools.cache
+def _devices(topology: str):
+    chip_config = "megacore" if topology.startswith("v5p") else "default"
+    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name=chip_config,
+                                              chips_per_host_bounds=(2, 2, 1), num_slices=1,
+                                              wrap=(False,) * 3).devices)
+
+
+def _compile(cfg: MoEConfig, parallel: ParallelConfig, devices) -> str:
+    """The compiled HLO text of one MoE layer's forward + backward on `devices` (XLA:TPU)."""
+    layout = Layout(make_mesh(parallel, devices), parallel.rules)
+    # the suite's "highest" precision asks Mosaic (Megablox, XLA:TPU's ragged_dot) for fp32 passes on bf16
+    # operands, which it refuses
+    with backend.target("tpu"), jax.default_matmul_precision("default"):
+        moe = nnx.eval_shape(lambda: MoE(cfg, D, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(moe)
+        place = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=layout.sharding(tuple(s), a.shape))
+        params = jax.tree.map(place, params, nnx.get_partition_spec(params), is_leaf=lambda s: isinstance(s, P))
+        B = layout.mesh.size
+        x = jax.ShapeDtypeStruct((B, T, D), jnp.bfloat16, sharding=layout.sharding(("batch", "length", None), (B, T, D)))
+
+        def loss(params, x):
+            with activation_layout(layout):
+                y, aux = nnx.merge(graphdef, params)(x)
+            return jnp.sum(y.astype(jnp.float32)) + aux["router_z_loss"]
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text()
+
+
+def test_exchange_follows_the_chip():
+    with backend.target("tpu"):
+        got = {t: backend.expert_exchange(_devices(t)) for t in ("v5p:2x2x2", "v5e:2x4", "v5e:4x8")}
+    assert got == {"v5p:2x2x2": "ragged", "v5e:2x4": "ragged", "v5e:4x8": "dense"}, got
+    assert _devices("v5e:4x8")[0].device_kind in backend.RAGGED_ALL_TO_ALL_MAX_CHIPS
+    assert backend.expert_exchange(jax.devices()) == "dense"   # CPU: no ragged all-to-all
+
+
+def _compile_dispatch(devices, exchange: str) -> str:
+    """Compiled HLO of `expert.dispatch`'s forward + backward over all `devices` as the EP group (XLA:TPU),
+    data x 8 (data over the rest): 64 tokens per device, top-2 of 8 experts, one per device."""
+    mesh = Mesh(np.array(devices).reshape(-1, 8), ("data", "ep"))
+    rows, E, width = 64 * 2, 8, 128
+
+    def experts(w, x, sizes):
+        return jax.lax.ragged_dot(x, w, sizes)
+
+    def loss(x, w, sizes):
+        def local(x, w, sizes):
+            y, rounds = expert.dispatch(x, sizes[0], experts, w, axis_name="ep", top_k=2, exchange=exchange)
+            return jnp.sum(y.astype(jnp.float32))[None] + rounds
+        per_device = jax.shard_map(local, mesh=mesh, in_specs=(P(("data", "ep")), P("ep"), P(("data", "ep"))),
+                                   out_specs=P(("data", "ep")), check_vma=False)(x, w, sizes)
+        return jnp.sum(per_device)
+
+    spec = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))
+    n = len(devices)
+    with backend.target("tpu"), jax.default_matmul_precision("default"):   # as in _compile
+        return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+            spec((n * rows, width), jnp.bfloat16, P(("data", "ep"))), spec((E, width, width), jnp.bfloat16, P("ep")),
+            spec((n, E), jnp.int32, P(("data", "ep")))).compile().as_text()
+
+
+def test_v5e_dispatch_compiles_dense_and_refuses_ragged():
+    v5e = _devices("v5e:4x8")
+    with backend.target("tpu"):
+        exchange = backend.expert_exchange(v5e)
+    text = _compile_dispatch(v5e, exchange)
+    assert " all-to-all(" in text and "ragged-all-to-all" not in text
+    with pytest.raises(Exception, match="Ragged all-to-all is currently not supported in limited ICI routing"):
+        _compile_dispatch(v5e, "ragged")
+
+
+def test_v5p_dispatch_compiles_ragged():
+    assert "ragged-all-to-all" in _compile_dispatch(_devices("v5p:2x2x2"), "ragged")
+
+
+@pytest.mark.slow
+def test_v5e_compiles_the_dense_exchange_and_refuses_the_ragged_one():
+    v5e = _devices("v5e:4x8")
+    text = _compile(CFG, ParallelConfig(data=4, expert=8), v5e)
+    assert " all-to-all(" in text and "ragged-all-to-all" not in text
+    with pytest.raises(Exception, match="Ragged all-to-all is currently not supported in limited ICI routing"):
+        _compile(dataclasses.replace(CFG, expert_parallel_exchange="ragged"), ParallelConfig(data=4, expert=8), v5e)
+
+
+@pytest.mark.slow
+def test_v5p_compiles_the_ragged_exchange():
+    text = _compile(CFG, ParallelConfig(data=1, expert=8), _devices("v5p:2x2x2"))
+    assert "ragged-all-to-all" in text

@@ -26,9 +26,10 @@ def compile_flagship(topology: mosaic.Topology, chips_per_host, *, rows: int, nu
 
 def check_compiled(compiled, generation: str) -> None:
     """Every KDA and splash kernel compiled by Mosaic within its VMEM; the step fits the chip's HBM."""
-    kernels = mosaic.kernels(compiled.as_text())
+    wanted = KDA["pallas_segment"] | SPLASH   # XLA:TPU's own ragged_dot custom calls are not checked here
+    kernels = [k for k in mosaic.kernels(compiled.as_text()) if any(w in k.name for w in wanted)]
     names = {k.name for k in kernels}
-    for want in KDA["pallas_segment"] | SPLASH:
+    for want in wanted:
         assert any(want in n for n in names), (want, sorted(names))
     capacity = mosaic.VMEM_BYTES[generation]
     assert all(0 < k.vmem_used <= (k.vmem_limit or capacity) <= capacity for k in kernels)
@@ -53,7 +54,7 @@ EIGHT_CHIPS = {"v5e": mosaic.Topology("v5e:2x4", "default"), "v5p": mosaic.Topol
 @pytest.mark.parametrize("generation", sorted(EIGHT_CHIPS))
 def test_two_layer_flagship_step_compiles_for_8_chips(generation):
     """The flagship's first two layers (KDA + dense, KDA + MoE) and its MTP layer (MLA + MoE: splash), T=8192,
-    8 rows on fsdp=8 (no expert parallelism: v5e's XLA:TPU refuses the ragged all-to-all). Over two CPU minutes of compile each, so not in
-    the default suite."""
+    8 rows on fsdp=8 (no expert parallelism: v5e's XLA:TPU refuses the ragged all-to-all). On v5p: 389 CPU s of compile on the 2-core host,
+    10.9 GiB per device, so not in the default suite."""
     compiled = compile_flagship(EIGHT_CHIPS[generation], (2, 2, 1), rows=8, num_layers=2, fsdp=8)
     check_compiled(compiled, generation)

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lingpack import plan
+from lingpack.plan import cli as plan
 from lingpack.plan import chips, hlo
 from lingpack.plan import measure as plan_measure
 from lingpack.errors import ConfigError

@@ -50,7 +50,7 @@ def mesh_overrides(parallel) -> list[str]:
 
 def meshes(scenario: str) -> list[list[str]]:
     """Override lists of the meshes to plan for `scenario`: the configured one, then the planner's candidates."""
-    from lingpack import plan
+    from lingpack.plan import cli as plan
     from lingpack.plan import measure as plan_measure
     rc = plan.run_config(plan.compose(SCENARIOS[scenario], plan.find_conf_dir(str(ROOT / "conf"))))
     return [[]] + [mesh_overrides(p) for p in plan_measure.candidate_meshes(rc, DEVICES, SEARCH - 1)]

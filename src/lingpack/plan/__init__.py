@@ -5,10 +5,7 @@
     cost     the step-time model of a compiled TPU program (fusions, Mosaic kernels, collectives)
     hlo      reading compiled HLO: instructions with loop trip counts, collectives, Pallas kernels
     chips    accelerator figures, each with its public source
+
+The command line's functions live in `lingpack.plan.cli` (this package imports nothing, so that
+`lingpack.plan.chips` or `lingpack.plan.hlo` can be imported from anywhere without the planner).
 """
-
-from lingpack.plan.cli import (OUTPUT_KEYS, PlanConfig, compose, find_conf_dir, gib, main, plan, plan_config,
-                               run_config, split_arguments, table, use_fake_devices)
-
-__all__ = ["OUTPUT_KEYS", "PlanConfig", "compose", "find_conf_dir", "gib", "main", "plan", "plan_config",
-           "run_config", "split_arguments", "table", "use_fake_devices"]

@@ -6,6 +6,6 @@
     hlo      reading compiled HLO: instructions with loop trip counts, collectives, Pallas kernels
     chips    accelerator figures, each with its public source
 
-The package itself imports nothing, so the training code can read `lingpack.plan.hlo` without the CLI (and
-lingpack.config) coming along: `from lingpack.plan import cli` for the command line's functions.
+The command line's functions live in `lingpack.plan.cli` (this package imports nothing, so that
+`lingpack.plan.chips` or `lingpack.plan.hlo` can be imported from anywhere without the planner).
 """

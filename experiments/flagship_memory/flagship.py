@@ -48,12 +48,17 @@ CASES = {
 }
 
 
-def model_config(overrides: dict):
+# XLA:TPU mode: the same cases compiled by libtpu for v5p chips (megacore), TPU kernels (splash, KDA pallas_segment)
+TPU_TOPOLOGY = {1: "v5p:1x1x1", 8: "v5p:2x2x2", 64: "v5p:4x4x4"}
+TPU_MODEL = dict(attention_impl="auto", kda_impl="pallas_segment")
+
+
+def model_config(overrides: dict, compiler: str = "cpu"):
     import yaml
 
     from lingpack.models.ling3 import config_from_dict
     d = yaml.safe_load((ROOT / "conf/model/ling3_flagship.yaml").read_text())
-    d.update(attention_impl="flash", **overrides)
+    d.update(**(TPU_MODEL if compiler == "tpu" else dict(attention_impl="flash")), **overrides)
     return config_from_dict(d)
 
 
@@ -73,19 +78,36 @@ def op_kind(buffer) -> str:
     return op + where
 
 
-def one(name: str, attribute: bool) -> dict:
+def one(name: str, attribute: bool, compiler: str = "cpu") -> dict:
     """Compile one case in this process (its device count already set) and measure it."""
+    import contextlib
+
     import jax
 
-    from lingpack import hlo
+    from lingpack import backend, hlo
     from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
     from lingpack.train.program import TrainProgram
 
     devices, axes, overrides, tokens = CASES[name]
-    model = model_config(overrides)
-    program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=10), ParallelConfig(**axes), TrainConfig(),
-                                 rows=devices, seq_length=tokens, devices=jax.devices()[:devices])
-    lowered = program.lower()
+    model = model_config(overrides, compiler)
+    if compiler == "tpu":
+        from experiments import xla_tpu
+        chips, where = xla_tpu.devices(TPU_TOPOLOGY[devices]), backend.target("tpu")
+    else:
+        chips, where = jax.devices()[:devices], contextlib.nullcontext()
+    with where:
+        program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=10), ParallelConfig(**axes),
+                                     TrainConfig(), rows=devices, seq_length=tokens, devices=chips)
+        lowered = program.lower()
+    if compiler == "tpu":
+        start = time.process_time()
+        compiled = lowered.compile()
+        return {"compiler": "xla_tpu", "topology": TPU_TOPOLOGY[devices], "devices": devices, "axes": axes,
+                "rows": devices, "T": tokens, "model": dict(TPU_MODEL, **overrides), "num_layers": model.num_layers,
+                "vocab_chunk_size": model.vocab_chunk_size, **xla_tpu.memory(compiled),
+                "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                "argument_bytes": int(compiled.memory_analysis().argument_size_in_bytes),
+                "compile_cpu_s": round(time.process_time() - start, 1)}
     start = time.process_time()
     with tempfile.TemporaryDirectory() as dump:
         if attribute:
@@ -115,10 +137,11 @@ def one(name: str, attribute: bool) -> dict:
     return out
 
 
-def run_case(name: str, attribute: bool) -> dict:
+def run_case(name: str, attribute: bool, compiler: str = "cpu") -> dict:
     """`one(name)` in a fresh process with its fake device count; XLA's warnings counted from its stderr."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={CASES[name][0]}", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "experiments.flagship_memory.flagship", "--one", name] + (["--attribute"] if attribute else [])
+    cmd = [sys.executable, "-m", "experiments.flagship_memory.flagship", "--one", name, "--compiler", compiler]
+    cmd += ["--attribute"] if attribute else []
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"case {name} failed:\n{proc.stderr[-4000:]}")
@@ -131,21 +154,24 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["fsdp8", "fsdp8-expert8"], choices=list(CASES))
     parser.add_argument("--attribute", action="store_true", help="group the peak's buffers by model part and op")
+    parser.add_argument("--compiler", choices=["cpu", "tpu"], default="cpu",
+                        help="tpu: compile with XLA:TPU (libtpu) for v5p chips; results keyed xla_tpu/<case>")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.attribute)))
+        print(json.dumps(one(args.one, args.attribute, args.compiler)))
         return
     path = OUT / "flagship.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     for name in args.cases:
-        result = run_case(name, args.attribute)
-        result.update(commit=commit(), machine="shared 2-core CPU host (XLA:CPU, fake devices)")
-        results[name] = result
+        result = run_case(name, args.attribute, args.compiler)
+        where = "XLA:TPU (libtpu), compiled on" if args.compiler == "tpu" else "XLA:CPU, fake devices, on"
+        result.update(commit=commit(), machine=f"{where} a shared 2-core CPU host")
+        results[f"xla_tpu/{name}" if args.compiler == "tpu" else name] = result
         OUT.mkdir(exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
         print(f"{name}: temp {result['temp_bytes'] / 2**30:.1f} GiB, arguments {result['argument_bytes'] / 2**30:.1f} GiB, "
-              f"batch collectives {result['batch_collectives']}, remat warnings {result['remat_warnings']}, "
+              f"batch collectives {result.get('batch_collectives')}, remat warnings {result['remat_warnings']}, "
               f"compile {result['compile_cpu_s']} s", flush=True)
 
 

@@ -35,6 +35,7 @@ from lingpack.parallel import expert
 from lingpack.parallel.context import current, dividing_axes
 from lingpack.parallel.layout import axis_tuple, constrain, current_layout
 from lingpack.precision import at_least_fp32
+from lingpack.models.remat import tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +242,9 @@ class MoE(nnx.Module):
         wide = at_least_fp32(self.dtype)  # fp32 accumulation for bf16 (float64 for float64)
 
         def experts_fn(x_MD, sizes):   # the experts held here (all E, or this device's E / EP under `ep`)
-            mm = lambda a, w: grouped(a, w.astype(self.dtype), sizes, preferred_element_type=wide)
-            return mm((jax.nn.silu(mm(x_MD, wi_gate)) * mm(x_MD, wi_up)).astype(self.dtype), wo)
+            mm = lambda a, w, name: tag(grouped(a, w.astype(self.dtype), sizes, preferred_element_type=wide), name)
+            h = jax.nn.silu(mm(x_MD, wi_gate, "mlpwi_0")) * mm(x_MD, wi_up, "mlpwi_1")
+            return mm(h.astype(self.dtype), wo, "mlpwo")
 
         y_sorted = (expert.dispatch(x_sorted, group_sizes, experts_fn, axis_name=ep, top_k=k) if ep
                     else experts_fn(x_sorted, group_sizes))

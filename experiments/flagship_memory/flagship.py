@@ -43,6 +43,7 @@ CASES = {
     "fsdp8-expert8": (64, dict(data=1, fsdp=8, expert=8), {}, T),
     "fsdp8-4layers": (8, dict(data=1, fsdp=8), dict(num_layers=4), T),
     "fsdp8-8layers": (8, dict(data=1, fsdp=8), dict(num_layers=8), T),
+    "fsdp8-9layers": (8, dict(data=1, fsdp=8), dict(num_layers=9), T),   # 1 dense + 8 MoE: the fewest the scan stacks
     "one-2layers-T4096": (1, dict(data=1), dict(num_layers=2, vocab_chunk_size=16384), 4096),
     "one-2layers-T4096-whole": (1, dict(data=1), dict(num_layers=2, vocab_chunk_size=0), 4096),
 }

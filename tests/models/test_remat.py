@@ -144,6 +144,15 @@ def test_minimal_saves_the_tagged_projections():
         assert f"name={name}" in text, name
 
 
+def test_offloading_on_cpu_is_a_one_line_error():
+    cfg = dataclasses.replace(CFG, remat_policy="minimal_offloaded")
+    with pytest.raises(ConfigError, match="offloads to host memory.*offloading policies run on TPU / GPU"):
+        cfg.jax_remat_policy()
+    from lingpack import backend
+    with backend.target("tpu"):   # the TPU side builds JAX's save-and-offload policy
+        assert callable(cfg.jax_remat_policy())
+
+
 def test_unknown_policies_are_one_line_errors():
     with pytest.raises(ConfigError, match=r"model.remat_policy='fulll' is not a remat policy; valid choices: \[.*full"):
         dataclasses.replace(CFG, remat_policy="fulll")

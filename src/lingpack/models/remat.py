@@ -38,6 +38,7 @@ import contextvars
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from lingpack import backend
 from lingpack.errors import ConfigError
 
 PARTS = ("kda", "mla", "moe", "mlp")
@@ -121,6 +122,10 @@ def jax_policy(policy: str, overrides: dict | None = None):
     if resolve(policy, overrides) is None:
         return PRIMITIVE[policy]
     keep, offload = saved_tags(policy, overrides)
+    if offload and backend.current() == "cpu":
+        raise ConfigError(f"remat policy {policy!r} (or a per-part override) offloads to host memory, which a CPU "
+                          "backend does not have apart from its own; offloading policies run on TPU / GPU: pick "
+                          f"one of {[n for n in NAMED if n not in OFFLOADING]} here")
     if not offload:
         return jax.checkpoint_policies.save_only_these_names(*sorted(keep))
     return jax.checkpoint_policies.save_and_offload_only_these_names(

@@ -58,3 +58,15 @@ is_multi_host() {
   local size=${1##*-}
   [[ $size =~ ^[0-9]+$ ]] && (( size > 8 ))
 }
+
+# The LIBTPU_INIT_ARGS export a TPU worker runs before training: the user's own when set here, else the
+# XLA:TPU flags lingpack.tpu_flags lists for the accelerator type, computed on the worker by its python
+# (libtpu reads the variable once, at backend init). $1 = the worker's python, $2 = the accelerator type.
+libtpu_export() {
+  if [[ -n ${LIBTPU_INIT_ARGS:-} ]]; then
+    printf 'export LIBTPU_INIT_ARGS=%s' "$(quote "$LIBTPU_INIT_ARGS")"
+  else
+    # shellcheck disable=SC2016  # expanded on the worker
+    printf 'export LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-$(%s -m lingpack.tpu_flags %s)}"' "$1" "$(quote "$2")"
+  fi
+}

@@ -106,7 +106,7 @@ WORKER_ID='$(curl -s -H Metadata-Flavor:Google http://metadata.google.internal/c
 TRAIN=$(join_quoted .venv/bin/python run.py distributed.initialize=true "hydra.run.dir=$RUN_DIR" \
   "checkpoint.directory=$CKPT_DIR" "$@")
 status=0
-ssh_all "set -o pipefail && cd $(quote "$REMOTE_DIR") && export TPU_WORKER_ID=$WORKER_ID && mkdir -p $(quote "$RUN_DIR") && $TRAIN 2>&1 | tee -a $(quote "$RUN_DIR")/worker-\$TPU_WORKER_ID.log" || status=$?
+ssh_all "set -o pipefail && cd $(quote "$REMOTE_DIR") && export TPU_WORKER_ID=$WORKER_ID && $(libtpu_export .venv/bin/python "$TYPE") && mkdir -p $(quote "$RUN_DIR") && $TRAIN 2>&1 | tee -a $(quote "$RUN_DIR")/worker-\$TPU_WORKER_ID.log" || status=$?
 
 if [[ $DELETE == 1 ]]; then
   if [[ $QUEUED == 1 ]]; then

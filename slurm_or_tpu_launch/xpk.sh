@@ -66,6 +66,7 @@ LOCATION=()
 [[ -n $ZONE ]] && LOCATION+=(--zone="$ZONE")
 TRAIN=$(join_quoted python run.py distributed.initialize=true "hydra.run.dir=$RUN_DIR" \
   "checkpoint.directory=$CKPT_DIR" "$@")
+TRAIN="$(libtpu_export python "$TYPE") && $TRAIN"   # XLA:TPU flags (lingpack.tpu_flags) unless LIBTPU_INIT_ARGS is set
 if [[ -n $IMAGE ]]; then
   IMAGE_FLAGS=(--docker-image="$IMAGE")
   COMMAND=$TRAIN

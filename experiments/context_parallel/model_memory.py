@@ -76,7 +76,12 @@ def peak(compiled) -> dict:
     return dict(parts, peak=parts["argument"] + parts["output"] + parts["temp"] - parts["alias"])
 
 
-def measure_step(T: int, cp: int) -> dict:
+TPU_TOPOLOGY = {1: "v5p:1x1x1", 2: "v5p:2x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2"}   # XLA:TPU mode: v5p megacore
+
+
+def measure_step(T: int, cp: int, compiler: str = "cpu") -> dict:
+    import contextlib
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -91,7 +96,14 @@ def measure_step(T: int, cp: int) -> dict:
     commit = code_commit()   # the code this worker imported
     cfg = model_config()
     parallel = ParallelConfig(data=1, context=cp, context_strategy="ring", load_balance=True)
-    mesh = shard_lib.make_mesh(parallel, devices=jax.devices()[:cp])
+    if compiler == "tpu":   # the same step compiled by libtpu for `cp` v5p chips (nothing runs)
+        from experiments import xla_tpu
+        from lingpack import backend
+        devices, where = xla_tpu.devices(TPU_TOPOLOGY[cp])[:cp], backend.target("tpu")
+    else:
+        devices, where = jax.devices()[:cp], contextlib.nullcontext()
+    where.__enter__()
+    mesh = shard_lib.make_mesh(parallel, devices=devices)
     context = ContextParallel.from_config(parallel, mesh)
     build = lambda: Ling3(cfg, rngs=nnx.Rngs(0))
     model_def, optim = ModelDef.from_constructor(build, cfg), OptimConfig(decay_steps=1000)
@@ -104,11 +116,13 @@ def measure_step(T: int, cp: int) -> dict:
                            shardings=shardings, context=context)
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
+    where.__exit__(None, None, None)
     state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
     if os.environ.get("MODEL_MEMORY_HLO_DIR"):   # keep the per-device program for inspection
         Path(os.environ["MODEL_MEMORY_HLO_DIR"], f"step_{T}_{cp}.hlo").write_text(compiled.as_text())
     return dict(peak(compiled), T=T, cp=cp, compile_s=time.perf_counter() - start, state_bytes=int(state_bytes),
-                collectives=collectives(compiled.as_text()), commit=commit)
+                collectives=collectives(compiled.as_text()), commit=commit,
+                compiler="xla_tpu" if compiler == "tpu" else "xla_cpu")
 
 
 def measure_layer(kind: str, T: int, cp: int) -> dict:
@@ -243,6 +257,23 @@ def table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tpu_table(res: dict) -> str:
+    """The `context_parallel_model_tpu` block: the XLA:TPU step peaks and their ratio to CP=1, beside XLA:CPU's."""
+    tpu = {(r["T"], r["cp"]): r for k, r in res.items() if k.startswith("step@xla_tpu/") and "peak" in r}
+    cpu = _steps(res)
+    lines = ["The same ling3_tiny train step compiled by XLA:TPU (libtpu, v5p megacore: CP=1 on `v5p:1x1x1`, CP=8 on "
+             "`v5p:2x2x2`) beside XLA:CPU's figure of the table above (fake devices). MiB per device; in brackets: "
+             "peak / CP=1 peak of the same compiler (goal <= 0.13 at CP=8, 64K).", "",
+             "| T | CP | XLA:TPU peak | XLA:TPU temporaries | XLA:CPU peak | commit (XLA:TPU) |", "|---|---|---|---|---|---|"]
+    for (T, c), r in sorted(tpu.items()):
+        base, other = tpu.get((T, 1)), cpu.get((T, c))
+        ratio = f" ({r['peak'] / base['peak']:.3f})" if base else ""
+        cpu_cell = "-" if other is None else mib(other["peak"]) + (
+            f" ({other['peak'] / cpu[(T, 1)]['peak']:.3f})" if (T, 1) in cpu else "")
+        lines.append(f"| {T // 1024}K | {c} | {mib(r['peak'])}{ratio} | {mib(r['temp'])} | {cpu_cell} | {r['commit']} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -290,14 +321,28 @@ def main() -> int:
                         "(kept beside the main grid, which it does not replace)")
     parser.add_argument("--jobs", type=int, default=1, help="configurations compiled at once (one process each)")
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--compiler", choices=["cpu", "tpu"], default="cpu", help="tpu: the train step only, compiled "
+                        "by XLA:TPU (libtpu) for CP v5p chips; keyed step@xla_tpu/T/CP")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         what, T, cp = args.worker[0], int(args.worker[1]), int(args.worker[2])
-        print(json.dumps(measure_step(T, cp) if what == "step" else measure_layer(what, T, cp)))
+        compiler = args.worker[3] if len(args.worker) > 3 else "cpu"
+        print(json.dumps(measure_step(T, cp, compiler) if what == "step" else measure_layer(what, T, cp)))
         return 0
     path = OUT / "model_memory.json"
     res = json.loads(path.read_text()) if path.exists() else {}
+    if args.compiler == "tpu":
+        todo = [(f"step@xla_tpu/{T}/{cp}", ["step", str(T), str(cp), "tpu"]) for T in args.T for cp in args.cp]
+        todo = [(key, a) for key, a in todo if key not in res]
+        for key, worker_args in todo:   # one at a time: merged into the json as each arrives
+            got = run_one(key, worker_args, args.timeout)
+            if got is not None:
+                res[key] = got
+                write(res)
+                print(f"{key}: {json.dumps({k: v for k, v in got.items() if k != 'collectives'})}", flush=True)
+        print(tpu_table(res))
+        return 0
     todo = [(f"layer/{k}/{LAYER_T}/{LAYER_CP}", [k, str(LAYER_T), str(LAYER_CP)]) for k in ("kda", "mla")]
     step = f"step@{args.variant}" if args.variant else "step"
     todo += [(f"{step}/{T}/{cp}", ["step", str(T), str(cp)]) for T in args.T for cp in args.cp]

@@ -43,17 +43,23 @@ CASES = {
     "fsdp8-expert8": (64, dict(data=1, fsdp=8, expert=8), {}, T),
     "fsdp8-4layers": (8, dict(data=1, fsdp=8), dict(num_layers=4), T),
     "fsdp8-8layers": (8, dict(data=1, fsdp=8), dict(num_layers=8), T),
+    "fsdp8-9layers": (8, dict(data=1, fsdp=8), dict(num_layers=9), T),   # 1 dense + 8 MoE: the fewest the scan stacks
     "one-2layers-T4096": (1, dict(data=1), dict(num_layers=2, vocab_chunk_size=16384), 4096),
     "one-2layers-T4096-whole": (1, dict(data=1), dict(num_layers=2, vocab_chunk_size=0), 4096),
 }
 
 
-def model_config(overrides: dict):
+# XLA:TPU mode: the same cases compiled by libtpu for v5p chips (megacore), TPU kernels (splash, KDA pallas_segment)
+TPU_TOPOLOGY = {1: "v5p:1x1x1", 8: "v5p:2x2x2", 64: "v5p:4x4x4"}
+TPU_MODEL = dict(attention_impl="auto", kda_impl="pallas_segment")
+
+
+def model_config(overrides: dict, compiler: str = "cpu"):
     import yaml
 
     from lingpack.models.ling3 import config_from_dict
     d = yaml.safe_load((ROOT / "conf/model/ling3_flagship.yaml").read_text())
-    d.update(attention_impl="flash", **overrides)
+    d.update(**(TPU_MODEL if compiler == "tpu" else dict(attention_impl="flash")), **overrides)
     return config_from_dict(d)
 
 
@@ -73,19 +79,37 @@ def op_kind(buffer) -> str:
     return op + where
 
 
-def one(name: str, attribute: bool) -> dict:
+def one(name: str, attribute: bool, compiler: str = "cpu") -> dict:
     """Compile one case in this process (its device count already set) and measure it."""
+    import contextlib
+
     import jax
 
+    from lingpack import backend
     from lingpack.plan import hlo
     from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
     from lingpack.train.program import TrainProgram
 
     devices, axes, overrides, tokens = CASES[name]
-    model = model_config(overrides)
-    program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=10), ParallelConfig(**axes), TrainConfig(),
-                                 rows=devices, seq_length=tokens, devices=jax.devices()[:devices])
-    lowered = program.lower()
+    model = model_config(overrides, compiler)
+    if compiler == "tpu":
+        from experiments import xla_tpu
+        chips, where = xla_tpu.devices(TPU_TOPOLOGY[devices]), backend.target("tpu")
+    else:
+        chips, where = jax.devices()[:devices], contextlib.nullcontext()
+    with where:
+        program = TrainProgram.build(model, LossConfig(), OptimConfig(decay_steps=10), ParallelConfig(**axes),
+                                     TrainConfig(), rows=devices, seq_length=tokens, devices=chips)
+        lowered = program.lower()
+    if compiler == "tpu":
+        start = time.process_time()
+        compiled = lowered.compile()
+        return {"compiler": "xla_tpu", "topology": TPU_TOPOLOGY[devices], "devices": devices, "axes": axes,
+                "rows": devices, "T": tokens, "model": dict(TPU_MODEL, **overrides), "num_layers": model.num_layers,
+                "vocab_chunk_size": model.vocab_chunk_size, **xla_tpu.memory(compiled),
+                "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                "argument_bytes": int(compiled.memory_analysis().argument_size_in_bytes),
+                "compile_cpu_s": round(time.process_time() - start, 1)}
     start = time.process_time()
     with tempfile.TemporaryDirectory() as dump:
         if attribute:
@@ -115,10 +139,12 @@ def one(name: str, attribute: bool) -> dict:
     return out
 
 
-def run_case(name: str, attribute: bool) -> dict:
+def run_case(name: str, attribute: bool, compiler: str = "cpu") -> dict:
     """`one(name)` in a fresh process with its fake device count; XLA's warnings counted from its stderr."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={CASES[name][0]}", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "experiments.flagship_memory.flagship", "--one", name] + (["--attribute"] if attribute else [])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])   # this checkout's code
+    cmd = [sys.executable, "-m", "experiments.flagship_memory.flagship", "--one", name, "--compiler", compiler]
+    cmd += ["--attribute"] if attribute else []
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"case {name} failed:\n{proc.stderr[-4000:]}")
@@ -131,23 +157,46 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["fsdp8", "fsdp8-expert8"], choices=list(CASES))
     parser.add_argument("--attribute", action="store_true", help="group the peak's buffers by model part and op")
+    parser.add_argument("--compiler", choices=["cpu", "tpu"], default="cpu",
+                        help="tpu: compile with XLA:TPU (libtpu) for v5p chips; results keyed xla_tpu/<case>")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.attribute)))
+        print(json.dumps(one(args.one, args.attribute, args.compiler)))
         return
     path = OUT / "flagship.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     for name in args.cases:
-        result = run_case(name, args.attribute)
-        result.update(commit=commit(), machine="shared 2-core CPU host (XLA:CPU, fake devices)")
-        results[name] = result
+        result = run_case(name, args.attribute, args.compiler)
+        where = "XLA:TPU (libtpu), compiled on" if args.compiler == "tpu" else "XLA:CPU, fake devices, on"
+        result.update(commit=commit(), machine=f"{where} a shared 2-core CPU host")
+        results[f"xla_tpu/{name}" if args.compiler == "tpu" else name] = result
         OUT.mkdir(exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
         print(f"{name}: temp {result['temp_bytes'] / 2**30:.1f} GiB, arguments {result['argument_bytes'] / 2**30:.1f} GiB, "
-              f"batch collectives {result['batch_collectives']}, remat warnings {result['remat_warnings']}, "
+              f"batch collectives {result.get('batch_collectives')}, remat warnings {result['remat_warnings']}, "
               f"compile {result['compile_cpu_s']} s", flush=True)
 
 
 if __name__ == "__main__":
     main()
+
+
+def tpu_table(results: dict) -> str:
+    """The `flagship_memory_tpu` block: each XLA:TPU case beside the XLA:CPU figure of the same case."""
+    lines = ["Flagship train step per device at T=8192, one row per device, compiled by XLA:TPU (libtpu, v5p "
+             "megacore; splash attention, KDA `pallas_segment`, every Pallas kernel compiled by Mosaic) and, "
+             "labelled, by XLA:CPU (fake devices; flash attention, KDA `chunked`). GiB from `memory_analysis()`.", "",
+             "| case | layers | compiler | topology | temporaries GiB | arguments GiB | peak GiB | commit |",
+             "|---|---:|---|---|---:|---:|---:|---|"]
+    for key, r in sorted(results.items()):
+        if not key.startswith("xla_tpu/"):
+            continue
+        case = key.split("/", 1)[1]
+        lines.append(f"| {case} | {r['num_layers']} | xla_tpu | `{r['topology']}` | {r['temp_bytes'] / 2**30:.1f} | "
+                     f"{r['argument_bytes'] / 2**30:.1f} | {r['peak'] / 2**30:.1f} | {r['commit']} |")
+        cpu = results.get(case)
+        if cpu:
+            lines.append(f"| {case} | {cpu['num_layers']} | xla_cpu | {cpu['devices']} fake devices | "
+                         f"{cpu['temp_bytes'] / 2**30:.1f} | {cpu['argument_bytes'] / 2**30:.1f} | - | {cpu['commit']} |")
+    return "\n".join(lines) + "\n"

@@ -51,7 +51,8 @@ def test_tpu_pod_dry_run_prints_every_step():
         "lingpack.tar.gz -C lingpack && cd lingpack && python3 -m venv .venv && .venv/bin/pip install -q -e . "
         "'\\''jax[tpu]'\\'''",
         "+ gcloud compute tpus tpu-vm ssh pod1 --zone=us-east5-a --worker=all '--command=set -o pipefail && cd lingpack "
-        f"&& export TPU_WORKER_ID={worker} && mkdir -p outputs/r1 && .venv/bin/python run.py distributed.initialize=true "
+        f"&& export TPU_WORKER_ID={worker} && export LIBTPU_INIT_ARGS=\"${{LIBTPU_INIT_ARGS:-$(.venv/bin/python -m "
+        "lingpack.tpu_flags v5p-16)}\" && mkdir -p outputs/r1 && .venv/bin/python run.py distributed.initialize=true "
         "hydra.run.dir=outputs/r1 checkpoint.directory=gs://b/r1 model=ling3_small '\\''name=my run'\\'' 2>&1 | tee -a "
         "outputs/r1/worker-$TPU_WORKER_ID.log'",
         "+ gcloud compute tpus tpu-vm delete pod1 --zone=us-east5-a --quiet",
@@ -77,6 +78,7 @@ def test_xpk_dry_run():
     assert lines == [
         "+ xpk workload create --cluster=c1 --workload=w1 --tpu-type=v5p-32 --num-slices=2 --zone=us-east5-a "
         f"--base-docker-image=python:3.11-slim --script-dir={ROOT} '--command=pip install -q -e . '\\''jax[tpu]'\\'' "
+        "&& export LIBTPU_INIT_ARGS=\"${LIBTPU_INIT_ARGS:-$(python -m lingpack.tpu_flags v5p-32)}\" "
         "&& python run.py distributed.initialize=true hydra.run.dir=outputs/w1 checkpoint.directory=gs://b/w1 "
         "train.steps=5'",
         "+ gcloud container clusters get-credentials c1 --zone=us-east5-a",
@@ -84,6 +86,12 @@ def test_xpk_dry_run():
         "+ kubectl logs --follow --prefix --selector=jobset.sigs.k8s.io/jobset-name=w1 --max-log-requests=1000",
         "+ xpk workload delete --cluster=c1 --workload=w1 --zone=us-east5-a",
     ]
+
+
+def test_a_users_libtpu_flags_are_passed_on():
+    proc = sh([str(LAUNCH / "tpu_pod.sh"), "--dry-run", "--name", "p", "--zone", "z", "--skip-setup",
+               "--accelerator-type", "v5p-8", "--run-dir", "r"], env={"PATH": "/usr/bin:/bin", "LIBTPU_INIT_ARGS": "--x=1 --y=2"})
+    assert "export LIBTPU_INIT_ARGS='\\''--x=1 --y=2'\\'' && mkdir -p r" in proc.stdout
 
 
 def test_launchers_reject_missing_flags_in_one_line():

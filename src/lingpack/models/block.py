@@ -16,6 +16,7 @@ from lingpack.models.kda import KDA, KDAConfig, KDAKernel
 from lingpack.models.layers import MLP, RMSNorm
 from lingpack.models.mla import MLA, MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
+from lingpack.models.remat import part
 from lingpack.parallel.layout import BTD, constrain
 
 
@@ -62,7 +63,7 @@ FFN_PARTS = ("post_attention_layernorm", "mlp")      # and after it
 
 def mix(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
     """x + mixer(norm(x)) of `layer` (a DecoderLayer, or any module with its MIXER_PARTS and `mixer`)."""
-    with jax.named_scope(layer.mixer):
+    with jax.named_scope(layer.mixer), part(layer.mixer):
         h = layer.input_layernorm(x_BTD)
         if layer.mixer == "kda":
             h = layer.self_attn(h, segment_ids_BT)
@@ -74,7 +75,7 @@ def mix(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Ar
 def feed(layer, x_BTD: jax.Array, segment_ids_BT: jax.Array):
     """(x + ffn(norm(x)), moe aux or None) of `layer` (a DecoderLayer, or any module with its FFN_PARTS and `ffn`)."""
     aux = None
-    with jax.named_scope(layer.ffn):
+    with jax.named_scope(layer.ffn), part("moe" if layer.ffn == "moe" else "mlp"):
         h = layer.post_attention_layernorm(x_BTD)
         if layer.ffn == "moe":
             h, aux = layer.mlp(h, segment_ids_BT)

@@ -25,6 +25,7 @@ from lingpack.models.layers import GatedRMSNorm, ShortConvolution, dense, partit
 from lingpack.parallel.context import current
 from lingpack.parallel.kda_cp import chunk_kda_context_parallel
 from lingpack.precision import at_least_fp32
+from lingpack.models.remat import tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +86,11 @@ class KDA(nnx.Module):
         B, T, _ = x_BTD.shape
         H, K = self.cfg.num_heads, self.cfg.head_dim
         heads = lambda a: a.reshape(B, T, H, -1)
-        q_BTHK = heads(self.q_conv(self.q_proj(x_BTD), segment_ids_BT))
-        k_BTHK = heads(self.k_conv(self.k_proj(x_BTD), segment_ids_BT))
-        v_BTHV = heads(self.v_conv(self.v_proj(x_BTD), segment_ids_BT))
-        g_raw_BTHK = heads(self.f_b_proj(self.f_a_proj(x_BTD)))
-        b_BTH = self.b_proj(x_BTD)
+        q_BTHK = heads(self.q_conv(tag(self.q_proj(x_BTD), "query_proj"), segment_ids_BT))
+        k_BTHK = heads(self.k_conv(tag(self.k_proj(x_BTD), "key_proj"), segment_ids_BT))
+        v_BTHV = heads(self.v_conv(tag(self.v_proj(x_BTD), "value_proj"), segment_ids_BT))
+        g_raw_BTHK = heads(tag(self.f_b_proj(tag(self.f_a_proj(x_BTD), "gate_proj")), "gate_proj"))
+        b_BTH = tag(self.b_proj(x_BTD), "gate_proj")
         # fp32 or wider: beta near 0/1 matters in the erase
         beta_BTH = jax.nn.sigmoid(b_BTH.astype(at_least_fp32(b_BTH.dtype)))
         kernel = dict(impl=self.kernel.impl, chunk_size=self.kernel.chunk_size, max_segs=self.kernel.max_segs,
@@ -106,6 +107,7 @@ class KDA(nnx.Module):
                 q_BTHK, k_BTHK, v_BTHV, g_raw_BTHK, beta_BTH, segment_ids=segment_ids_BT, mesh=cp.mesh,
                 axis_name=cp.axis, load_balance=cp.load_balance, batch_axes=cp.batch_axes, head_axes=cp.head_axes,
                 **kernel)
-        gate_BTHV = heads(self.g_b_proj(self.g_a_proj(x_BTD)))
+        o_BTHV = tag(o_BTHV, "context")
+        gate_BTHV = heads(tag(self.g_b_proj(tag(self.g_a_proj(x_BTD), "gate_proj")), "gate_proj"))
         y_BTHV = self.o_norm(o_BTHV, gate_BTHV)
-        return self.o_proj(y_BTHV.reshape(B, T, H * K))
+        return tag(self.o_proj(y_BTHV.reshape(B, T, H * K)), "out_proj")

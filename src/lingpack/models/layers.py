@@ -17,6 +17,7 @@ from flax import nnx
 from lingpack.parallel.context import current
 from lingpack.parallel.halo import context_neighbours
 from lingpack.precision import at_least_fp32
+from lingpack.models.remat import tag
 
 DEFAULT_INIT = nnx.initializers.normal(stddev=0.02)  # DeepSeek/HF initializer_range
 
@@ -114,7 +115,8 @@ class MLP(nnx.Module):
         self.down_proj = dense(hidden_dim, emb_dim, ("mlp", "embed"), **kw)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+        gate, up = tag(self.gate_proj(x_BTD), "mlpwi_0"), tag(self.up_proj(x_BTD), "mlpwi_1")
+        return tag(self.down_proj(jax.nn.silu(gate) * up), "mlpwo")
 
 
 def _conv_init(kernel_size: int):

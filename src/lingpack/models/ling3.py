@@ -47,18 +47,14 @@ from lingpack.models.kda import KDAConfig, KDAKernel
 from lingpack.models.layers import DEFAULT_INIT, RMSNorm, partitioned
 from lingpack.models.mla import MLAConfig
 from lingpack.models.moe import MoE, MoEConfig
+from lingpack.models import remat as remat_lib
 from lingpack.models.mtp import MTPConfig, MTPLayer, roll_and_mask_by_segment
 from lingpack.models.stack import LayerStack
 from lingpack.parallel.layout import BTD, constrain
 from lingpack.precision import as_dtype, at_least_fp32
 
-# What a remat'ed layer keeps for the backward pass (jax.checkpoint_policies); the rest is recomputed.
-REMAT_POLICIES = {
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,            # least memory: recompute all
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,                  # keep matmul outputs
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "everything_saveable": jax.checkpoint_policies.everything_saveable,      # remat in name only
-}
+# What a remat'ed layer keeps for the backward pass, by name (models/remat.py); the rest is recomputed.
+REMAT_POLICIES = remat_lib.POLICIES
 
 
 def checkpoint_in_order(fn, policy):
@@ -106,7 +102,10 @@ class Ling3Config:
     attention_impl: str = "dot_product"
     attention_block_size: int = 128
     remat: bool = False
-    remat_policy: str = "nothing_saveable"   # with remat: see REMAT_POLICIES
+    remat_policy: str = "nothing_saveable"   # with remat: see REMAT_POLICIES (models/remat.py)
+    remat_policy_kda: str | None = None      # per-part overrides of remat_policy (None: follow it)
+    remat_policy_mla: str | None = None
+    remat_policy_moe: str | None = None
     scan_layers: bool = True                 # one scan over the MoE layers (compile time flat in depth)
     tie_embeddings: bool = False
     vocab_chunk_size: int = 0               # head + cross-entropy per this many vocabulary columns; 0 = whole
@@ -132,8 +131,7 @@ class Ling3Config:
             raise ValueError(f"unknown kda_impl {self.kda_impl!r}; valid choices: {list(kda_api.names())}")
         if kda_api.needs_max_segs(self.kda_impl) and not self.kda_max_segs:
             raise ValueError(f"kda_impl={self.kda_impl!r} needs kda_max_segs (the most documents per batch); set it")
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat_policy {self.remat_policy!r}; valid choices: {list(REMAT_POLICIES)}")
+        remat_lib.check(self.remat_policy, self.remat_overrides())
         as_dtype(self.dtype), as_dtype(self.param_dtype)
         if "float64" in (self.dtype, self.param_dtype):
             if self.kda_impl.startswith("pallas"):
@@ -142,6 +140,16 @@ class Ling3Config:
             if self.attention_impl in ATTENTION_FP32_KERNELS:
                 raise ValueError(f"attention_impl={self.attention_impl!r} is a Pallas kernel computing in fp32; a "
                                  "float64 model needs model.attention_impl=dot_product, flash or auto")
+
+    def remat_overrides(self) -> dict:
+        """{part: policy name or None} of the per-part `remat_policy_<part>` keys."""
+        return {p: getattr(self, f"remat_policy_{p}") for p in remat_lib.OVERRIDABLE}
+
+    def jax_remat_policy(self):
+        """The `jax.checkpoint` policy of every remat'ed layer (everything saveable without `remat`)."""
+        if not self.remat:
+            return jax.checkpoint_policies.everything_saveable
+        return remat_lib.jax_policy(self.remat_policy, self.remat_overrides())
 
     def layer_kinds(self) -> list[tuple[str, str]]:
         """(mixer, ffn) per main layer, e.g. [('kda', 'dense'), ('kda', 'moe'), ('kda', 'moe'), ('mla', 'moe')]."""
@@ -240,7 +248,7 @@ class Ling3(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         segment_ids_BT = segment_ids_BT.astype(jnp.int32)
 
-        policy = REMAT_POLICIES[self.cfg.remat_policy if self.cfg.remat else "everything_saveable"]
+        policy = self.cfg.jax_remat_policy()
 
         def run(layer, *args):
             if not self.cfg.remat:

@@ -26,6 +26,7 @@ from flax import nnx
 from lingpack.kernels.attention.api import attention
 from lingpack.models.layers import RMSNorm, apply_rope, dense
 from lingpack.parallel.context import context_attention, current
+from lingpack.models.remat import tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +92,15 @@ class MLA(nnx.Module):
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         if cfg.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+            q = tag(self.q_b_proj(self.q_a_layernorm(tag(self.q_a_proj(x_BTD), "qkv_proj"))), "query_proj")
         else:
-            q = self.q_proj(x_BTD)
+            q = tag(self.q_proj(x_BTD), "query_proj")
         q_BTHQ = q.reshape(B, T, H, cfg.qk_head_dim)
         q_BTHQ = jnp.concatenate([q_BTHQ[..., :nope], self._rope(q_BTHQ[..., nope:], positions_BT)], axis=-1)
 
-        latent = self.kv_a_proj_with_mqa(x_BTD)
+        latent = tag(self.kv_a_proj_with_mqa(x_BTD), "qkv_proj")
         c_BTC, k_rope_BT1R = latent[..., :cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank:][:, :, None, :]
-        kv_BTHX = self.kv_b_proj(self.kv_a_layernorm(c_BTC)).reshape(B, T, H, nope + dv)
+        kv_BTHX = tag(self.kv_b_proj(self.kv_a_layernorm(c_BTC)), "kv_proj").reshape(B, T, H, nope + dv)
         k_nope_BTHN, v_BTHV = kv_BTHX[..., :nope], kv_BTHX[..., nope:]
         k_rope_BTHR = jnp.broadcast_to(self._rope(k_rope_BT1R, positions_BT), (B, T, H, rope))
         k_BTHQ = jnp.concatenate([k_nope_BTHN, k_rope_BTHR.astype(k_nope_BTHN.dtype)], axis=-1)
@@ -111,4 +112,5 @@ class MLA(nnx.Module):
         else:  # sequence sharded over `context`; segment_ids are never None in the model (ling3 fills them)
             o_BTHV = context_attention(q_BTHQ, k_BTHQ, v_BTHV, segment_ids_BT, cp=cp, scale=cfg.qk_head_dim ** -0.5,
                                        block=self.attention_block)
-        return self.o_proj(o_BTHV.reshape(B, T, H * dv))
+        o_BTHV = tag(o_BTHV, "context")
+        return tag(self.o_proj(o_BTHV.reshape(B, T, H * dv)), "out_proj")

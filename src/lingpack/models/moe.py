@@ -39,6 +39,7 @@ from lingpack.parallel import expert
 from lingpack.parallel.context import current, dividing_axes
 from lingpack.parallel.layout import axis_tuple, constrain, current_layout
 from lingpack.precision import at_least_fp32
+from lingpack.models.remat import tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,9 +303,9 @@ class MoE(nnx.Module):
         wide = at_least_fp32(self.dtype)  # fp32 accumulation for bf16 (float64 for float64)
 
         def experts_fn(w, x_MD, sizes):   # the experts held here (all E, or this device's E / EP under `ep`)
-            mm = lambda a, w: grouped(a, w.astype(self.dtype), sizes, preferred_element_type=wide)
-            h = (jax.nn.silu(mm(x_MD, w[0])) * mm(x_MD, w[1])).astype(self.dtype)
-            return mm(h, w[2]).astype(self.dtype)   # outputs in the compute dtype (they travel back under `ep`)
+            mm = lambda a, w_KF, name: tag(grouped(a, w_KF.astype(self.dtype), sizes, preferred_element_type=wide), name)
+            h = (jax.nn.silu(mm(x_MD, w[0], "mlpwi_0")) * mm(x_MD, w[1], "mlpwi_1")).astype(self.dtype)
+            return mm(h, w[2], "mlpwo").astype(self.dtype)   # outputs in the compute dtype (they travel back under `ep`)
 
         if ep:
             y_sorted, rounds = expert.dispatch(x_sorted, group_sizes, experts_fn, (wi_gate, wi_up, wo), axis_name=ep,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from lingpack.errors import ConfigError
 from lingpack.precision import DTYPES
 
 LOSS_MODES = ("megatron", "per_token")
@@ -222,6 +223,8 @@ class TrainConfig:
         documents that do not fit left out of the step (made padding: no loss, no gradient, never mixed);
         "warn" warns once, counts them per step (dropped_documents, dropped_tokens) and trains on; "halt"
         stops before the first update that would leave documents out (state before that batch saved).
+    profile_steps: [a, b] traces loop steps a <= step < b (counted from 0: the metrics records step a + 1 .. b)
+        with `jax.profiler` into `profile_dir` (TensorBoard / xprof, plus a Perfetto trace); None = off.
     """
 
     steps: int = 100
@@ -236,6 +239,8 @@ class TrainConfig:
     eval_every: int = 0
     eval_batches: int = 1
     eval_test: bool = True
+    profile_steps: tuple | None = None
+    profile_dir: str = "profile"
 
     def __post_init__(self):
         _choice("TrainConfig", "overflow_policy", self.overflow_policy, ("warn", "halt"))
@@ -245,6 +250,14 @@ class TrainConfig:
         _at_least("TrainConfig", "micro_batches", self.micro_batches, 1)
         _at_least("TrainConfig", "log_every", self.log_every, 1)
         _choice("TrainConfig", "nan_policy", self.nan_policy, NAN_POLICIES)
+        if self.profile_steps is not None:
+            steps = self.profile_steps
+            if (not isinstance(steps, (list, tuple)) or len(steps) != 2 or not all(isinstance(s, int) for s in steps)
+                    or not 0 <= steps[0] < steps[1] <= self.steps):
+                raise ConfigError(f"train.profile_steps={list(steps) if isinstance(steps, (list, tuple)) else steps!r} "
+                                  f"must be [a, b] with 0 <= a < b <= train.steps={self.steps} (traces steps a..b-1), "
+                                  "or null")
+            object.__setattr__(self, "profile_steps", tuple(steps))
 
 
 T = typing.TypeVar("T")

@@ -82,3 +82,83 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
 def kda_flops_per_token(heads: int, head_dim: int, chunk_size: int) -> float:
     """Training FLOPs per token of one KDA kernel call (the module docstring's KDA term)."""
     return 3 * 2 * heads * (2 * head_dim * head_dim + chunk_size * 2 * head_dim)
+
+
+# ---------------------------------------------------------------- remat: the forward recompute a policy adds
+
+# JAX's primitive policies, counted as the named policy that saves the same projections (approximate: a dot
+# policy also keeps dots inside the kernels, and ragged_dot is not a dot_general)
+_PRIMITIVE_AS = {"nothing_saveable": "full", "dots_saveable": "minimal_with_context",
+                 "dots_with_no_batch_dims_saveable": "minimal_with_context"}
+
+
+def forward_terms(cfg, seq_len: int) -> list[tuple[str, str | None, float, int]]:
+    """(part, remat tag or None, forward FLOPs per token, layers) of every matmul and kernel of the remat'ed layers.
+
+    Tag None: never saved by a named policy (router, MTP input projection, the mixer kernels, whose custom VJPs
+    recompute their forward from their inputs), so always recomputed. Outputs no backward reads (the mixer's
+    out_proj, the shared expert's and dense MLP's down projection: only added to the residual) are left out:
+    the backward never recomputes them. FLOPs: 2 per multiply-add, as `flops_per_token`.
+    """
+    D, kinds = cfg.emb_dim, cfg.layer_kinds()
+    n_kda = sum(m == "kda" for m, _ in kinds)
+    n_mla = sum(m == "mla" for m, _ in kinds) + cfg.mtp_num_layers
+    n_moe = sum(f == "moe" for _, f in kinds) + (cfg.mtp_num_layers if cfg.mtp.use_moe else 0)
+    n_mlp = len(kinds) + cfg.mtp_num_layers - n_moe
+    H, K = cfg.kda.num_heads, cfg.kda.head_dim
+    kda = [("query_proj", 2 * D * H * K), ("key_proj", 2 * D * H * K), ("value_proj", 2 * D * H * K),
+           ("gate_proj", 2 * 2 * (D * K + K * H * K) + 2 * D * H),                    # decay f_a/f_b, output gate g_a/g_b, beta
+           (None, kda_flops_per_token(H, K, cfg.kda_chunk_size) / 3)]                 # the kernel's forward
+    m = cfg.mla
+    q = ([("qkv_proj", 2 * D * m.q_lora_rank), ("query_proj", 2 * m.q_lora_rank * m.num_heads * m.qk_head_dim)]
+         if m.q_lora_rank else [("query_proj", 2 * D * m.num_heads * m.qk_head_dim)])
+    mla = q + [("qkv_proj", 2 * D * (m.kv_lora_rank + m.qk_rope_head_dim)),
+               ("kv_proj", 2 * m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)),
+               (None, 2 * 2 * m.num_heads * (m.qk_head_dim + m.v_head_dim) / 2 * seq_len / 2)]   # attention forward
+    e, S = cfg.moe, cfg.moe.num_shared_experts * cfg.moe.expert_dim
+    moe = [(None, 2 * D * e.num_experts),                                              # router
+           ("mlpwi_0", 2 * e.top_k * D * e.expert_dim + 2 * D * S), ("mlpwi_1", 2 * e.top_k * D * e.expert_dim + 2 * D * S),
+           ("mlpwo", 2 * e.top_k * e.expert_dim * D)]                                  # routed down: its output weighs the routing
+    mlp = [("mlpwi_0", 2 * D * cfg.mlp_dim), ("mlpwi_1", 2 * D * cfg.mlp_dim)]
+    terms = [("kda", t, f, n_kda) for t, f in kda] + [("mla", t, f, n_mla) for t, f in mla]
+    terms += [("moe", t, f, n_moe) for t, f in moe] + [("mlp", t, f, n_mlp) for t, f in mlp]
+    terms.append(("mtp", None, 2 * 2 * D * D, cfg.mtp_num_layers))                     # eh_proj of [emb, h] -> D
+    return [t for t in terms if t[3]]
+
+
+def remat_flops(model_cfg, policy: str | None = None, *, seq_len: int, expert_rounds: int = 1) -> float:
+    """Forward FLOPs per token that the backward pass recomputes under `policy` (default: the config's own; 0
+    without `remat`), on top of `flops_per_token`. Multiply by the step's tokens for a step's remat FLOPs.
+
+    A policy's saved tags skip their matmul; everything else of a remat'ed layer's forward runs again, except
+    outputs no backward reads (see `forward_terms`). Per-part overrides (`remat_policy_<part>`) are read from the
+    config. expert_rounds > 1 (expert parallelism in `moe.expert_parallel_chunks` rounds) rematerialises each round
+    on its own, so the routed experts' forward is recomputed whatever the policy.
+    """
+    from lingpack.models import remat as remat_lib
+    from lingpack.models.ling3 import Ling3Config
+    if not isinstance(model_cfg, Ling3Config):
+        return 0.0
+    cfg = model_cfg
+    if policy is None and not cfg.remat:
+        keep = {f"{p}/{t}" for p in remat_lib.PARTS for t in remat_lib.TAGS}
+        kernels = False
+    else:
+        name = policy or cfg.remat_policy
+        if name == "everything_saveable":
+            keep, kernels = {f"{p}/{t}" for p in remat_lib.PARTS for t in remat_lib.TAGS}, False
+        else:
+            base = _PRIMITIVE_AS.get(name, name)
+            overrides = cfg.remat_overrides() if name in remat_lib.NAMED or name == "nothing_saveable" else {}
+            kept, offloaded = remat_lib.saved_tags(base, overrides)
+            keep, kernels = kept | offloaded, True
+    total = 0.0
+    for part, tag, flops, layers in forward_terms(cfg, seq_len):
+        recomputed = kernels and (tag is None or f"{part}/{tag}" not in keep)
+        if part == "moe" and tag in ("mlpwi_0", "mlpwi_1", "mlpwo") and expert_rounds > 1:
+            e = cfg.moe
+            routed = flops - (2 * cfg.emb_dim * e.num_shared_experts * e.expert_dim if tag != "mlpwo" else 0)
+            total += layers * (flops if recomputed else routed)
+            continue
+        total += layers * flops * recomputed
+    return float(total)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import time
 import zlib
@@ -149,6 +150,31 @@ def _log_above(bar):
     return logging_redirect_tqdm()
 
 
+class _Profiler:
+    """`train.profile_steps=[a, b]`: a jax.profiler trace of loop steps a <= step < b in `train.profile_dir`."""
+
+    def __init__(self, train_cfg: TrainConfig):
+        self.steps, self.directory, self.active = train_cfg.profile_steps, train_cfg.profile_dir, False
+
+    def before(self, step: int) -> None:
+        if self.steps and not self.active and self.steps[0] <= step < self.steps[1]:
+            os.makedirs(self.directory, exist_ok=True)
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            self.active = True
+            log.info("profiling steps %d-%d into %s", step + 1, self.steps[1], self.directory)
+
+    def after(self, step: int) -> None:
+        if self.active and step + 1 >= self.steps[1]:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+            log.info("profile written to %s (TensorBoard / xprof: its plugins/profile; Perfetto: perfetto_trace.json.gz)",
+                     self.directory)
+
+
 def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
           ckpt_cfg: CheckpointConfig, train_cfg: TrainConfig, *, metrics_callback=None, on_start=None,
           routing_callback=None, data_state_on_resume=None) -> TrainResult:
@@ -198,6 +224,7 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                  "one)", peak / 1e9)
 
     history, saved, skipped, preempted, final_eval, warned_overflow = [], [], 0, False, {}, False
+    profiler = _Profiler(train_cfg)
     bar = _progress(train_cfg, start)
     last_saved = latest
 
@@ -234,9 +261,11 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 batch = distributed.global_batch(local, batch_sharding, B)
                 if step == start:  # compiled here (its call then hits jit's cache), so the console says how long
                     _compile_step(step_fn, state, batch, guard)
+                profiler.before(step)
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, batch)
                 metrics = jax.device_get(metrics)  # waits for the step
+                profiler.after(step)
                 guard.compiling = False
                 if routing_callback is not None:
                     routing_callback(step + 1, metrics.pop("routing"))
@@ -296,6 +325,7 @@ def train(model_cfg, data_cfg, loss_cfg: LossConfig, optim_cfg: OptimConfig, par
                 save(int(jax.device_get(state.step)), state, iterator.get_state())
                 final_eval = _final_evaluation(evaluators, state, train_cfg)
     finally:
+        profiler.stop()
         if bar is not None:
             bar.close()
         if ckpt is not None:

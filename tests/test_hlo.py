@@ -93,3 +93,17 @@ def test_an_in_place_update_under_converts_moves_its_update_not_the_buffer():
     the whole [129, 16, 32, 1536] buffer twice."""
     row = 16 * 32 * 1536
     assert hlo.memory_traffic(IN_PLACE_UNDER_CONVERTS) == row * 4 + row * 2 + 4
+
+
+def test_a_while_weighted_n_runs_n_times():
+    """A loop whose weight is [0] (the expert-parallel overflow rounds, not taken in the expected step) adds no
+    FLOPs, [3] adds three trips; unweighted, a loop of unknown trip count counts once."""
+    def f(x, w, n):
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ w), (0, x))[1]
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    text = jax.jit(f).lower(x, x, jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
+    one = 2 * 64 ** 3
+    weigh = lambda n: (lambda op: [n] if op.opcode == "while" else None)
+    assert hlo.dot_flops(text) == one
+    assert hlo.dot_flops(text, weigh(0.0)) == 0
+    assert hlo.dot_flops(text, weigh(3.0)) == 3 * one

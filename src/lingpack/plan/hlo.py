@@ -135,7 +135,9 @@ def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
 
     A conditional's branches each count as if they ran (an upper bound), unless `branch_weights(op)` returns
     one weight per branch, e.g. the share of a layer scan's trips that take each branch (found by the named
-    scope in the op's `op_name`).
+    scope in the op's `op_name`). For a `while`, `branch_weights(op)` may return `[n]`: the loop
+    runs n times, whatever its condition (e.g. 0 for the expert-parallel overflow rounds, taken only when a
+    receive buffer overflows).
     """
     comps, entry = _computations(hlo)
     shapes = {name: {op.name: op.shape for op in ops} for name, ops in comps.items()}
@@ -145,10 +147,11 @@ def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
         for op in comps.get(comp, []):
             found.append(Executed(op, times, fused, shapes[comp], comp))
             if op.opcode == "while":
-                trip = trip_count(op, comps)
+                expected = branch_weights(op) if branch_weights else None   # [n]: the loop is taken n times
+                trip = expected[0] if expected and len(expected) == 1 else trip_count(op, comps)
                 unknown[0] += trip is None
                 body = re.search(r"body=%?([\w.\-]+)", op.line).group(1)
-                visit(body, times * (trip or 1), fused)
+                visit(body, times * (1 if trip is None else trip), fused)
                 continue
             for key, callee in re.findall(r"(to_apply|calls)=%?([\w.\-]+)", op.line):
                 visit(callee, times, fused or key == "to_apply" or op.opcode == "fusion")

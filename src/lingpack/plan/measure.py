@@ -52,17 +52,25 @@ def twin(model_cfg, platform: str):
 
 
 def branch_weights(model_cfg):
-    """`lingpack.plan.hlo` branch weights for the layer stack's mixer cond: (KDA share, MLA share) of its layers."""
-    if not hasattr(model_cfg, "scanned_layers"):
-        return None
-    scanned = model_cfg.scanned_layers()
-    mixers = [mixer for mixer, _ in model_cfg.layer_kinds()[scanned.start:scanned.stop]]
-    if not mixers or len(set(mixers)) < 2:
-        return None
-    share = mixers.count("mla") / len(mixers)
-    # lax.cond(is_mla, mla, kda): branch 0 (false) is KDA, branch 1 is MLA
+    """`lingpack.plan.hlo` weights: the layer stack's mixer cond by (KDA share, MLA share) of its layers, and the
+    expert-parallel overflow loop at 0 trips (a plan is of the expected step: receive buffers sized by
+    `moe.expert_parallel_capacity` hold a balanced load; an overflowing step takes one more round per layer)."""
     from lingpack.models.stack import MIXER_SCOPE
-    return lambda op: [1 - share, share] if f"/{MIXER_SCOPE}/" in hlo.op_name(op.line) else None
+    from lingpack.parallel.expert import OVERFLOW_SCOPE
+    mixer = None
+    if hasattr(model_cfg, "scanned_layers"):
+        scanned = model_cfg.scanned_layers()
+        mixers = [kind for kind, _ in model_cfg.layer_kinds()[scanned.start:scanned.stop]]
+        if mixers and len(set(mixers)) == 2:
+            share = mixers.count("mla") / len(mixers)
+            mixer = [1 - share, share]   # lax.cond(is_mla, mla, kda): branch 0 (false) is KDA, branch 1 is MLA
+
+    def weights(op):
+        scopes = hlo.op_name(op.line).split("/")
+        if op.opcode == "while" and OVERFLOW_SCOPE in scopes:
+            return [0.0]
+        return mixer if mixer and op.opcode == "conditional" and MIXER_SCOPE in scopes else None
+    return weights
 
 
 def _per_device(leaf, sharding) -> int:

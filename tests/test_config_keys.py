@@ -30,6 +30,9 @@ ALTERNATIVES = {
     "optim.schedule": "linear", "optim.b1": 0.8, "optim.b2": 0.9, "optim.master_dtype": "bfloat16",
     "parallel.cpu_devices": 2, "logger.kind": "none", "logger.mode": "online", "logger.project": "other",
     "logger.group": "g", "logger.job_type": "eval", "logger.tags": ["t"],
+    "train.profile_steps": [0, 1], "train.profile_dir": "{run_dir}/trace", "checkpoint.resume_step": 30,
+    "model.init_from": "{run_dir}/hf", "model.remat_policy_kda": "full", "model.remat_policy_mla": "full",
+    "model.remat_policy_moe": "full", "model.moe.expert_parallel_exchange": "dense",
 }
 
 

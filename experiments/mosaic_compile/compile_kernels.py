@@ -39,8 +39,9 @@ def flagship_dims() -> tuple[dict, dict]:
     import yaml
     model = yaml.safe_load((ROOT / "conf/model/ling3_flagship.yaml").read_text())
     kda, mla = model["kda"], model["mla"]
+    chunk = yaml.safe_load((ROOT / "conf/kernel/pallas_segment.yaml").read_text())["chunk_size"]   # the kernel group's
     return (dict(B=1, T=8192, H=kda["num_heads"], K=kda["head_dim"], V=kda["head_dim"],
-                 chunk_size=model["kda_chunk_size"]),
+                 chunk_size=chunk),
             dict(B=1, T=8192, H=mla["num_heads"], K=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"],
                  V=mla["v_head_dim"], block=model["attention_block_size"]))
 

@@ -359,6 +359,8 @@ def build(cfg: dict, run_dir: str, *, open_data: bool = True) -> RunConfig:
                           " would index past the embedding; raise model.vocab_size or set it to null (follow the data)")
     train_values = dict(cfg.get("train") or {})
     train_values.setdefault("seed", cfg.get("seed", 0))
+    if train_values.get("profile_dir") is None:   # null: the run directory's profile/
+        train_values["profile_dir"] = os.path.join(run_dir, "profile")
     train = make(TrainConfig, train_values, "train")
     data = _train_samples(data, train)
     loss = make(LossConfig, cfg.get("loss"), "loss")

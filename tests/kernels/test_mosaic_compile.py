@@ -20,8 +20,9 @@ from lingpack.kernels.kda import pallas_common
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGSHIP = yaml.safe_load((ROOT / "conf/model/ling3_flagship.yaml").read_text())
+CHUNK = yaml.safe_load((ROOT / "conf/kernel/pallas_segment.yaml").read_text())["chunk_size"]   # the kernel group's
 KDA_DIMS = dict(B=1, T=8192, H=FLAGSHIP["kda"]["num_heads"], K=FLAGSHIP["kda"]["head_dim"],
-                V=FLAGSHIP["kda"]["head_dim"], chunk_size=FLAGSHIP["kda_chunk_size"])
+                V=FLAGSHIP["kda"]["head_dim"], chunk_size=CHUNK)
 MLA = FLAGSHIP["mla"]
 SPLASH_DIMS = dict(B=1, T=8192, H=MLA["num_heads"], K=MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"],
                    V=MLA["v_head_dim"], block=FLAGSHIP["attention_block_size"])

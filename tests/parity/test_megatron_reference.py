@@ -35,8 +35,7 @@ def test_reference_objective_matches_train_loss(mode, per_token_loss, ranks, pad
         real[3, 1:] = 0
     loss_mask = real * (rng.random((B, T)) > 0.3)
     weight = 0.3  # large, so that a wrongly scaled z-loss term shows
-    cfg = LossConfig(mode=mode, calculate_per_token_loss=per_token_loss, megatron_dp_size=ranks,
-                     moe_z_loss_weight=weight, mtp_loss_scale=0.5)
+    cfg = LossConfig(mode=mode, calculate_per_token_loss=per_token_loss, megatron_dp_size=ranks, mtp_loss_scale=0.5)
 
     batch = {"targets": targets, "targets_segmentation": loss_mask, "inputs_segmentation": real}
     totals = loss_lib.totals({k: jnp.asarray(v) for k, v in batch.items()}, 1)

@@ -143,7 +143,7 @@ class Ling3Config:
 
     def remat_overrides(self) -> dict:
         """{part: policy name or None} of the per-part `remat_policy_<part>` keys."""
-        return {p: getattr(self, f"remat_policy_{p}") for p in remat_lib.OVERRIDABLE}
+        return {"kda": self.remat_policy_kda, "mla": self.remat_policy_mla, "moe": self.remat_policy_moe}   # OVERRIDABLE
 
     def jax_remat_policy(self):
         """The `jax.checkpoint` policy of every remat'ed layer (everything saveable without `remat`)."""

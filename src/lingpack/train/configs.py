@@ -240,7 +240,7 @@ class TrainConfig:
     eval_batches: int = 1
     eval_test: bool = True
     profile_steps: tuple | None = None
-    profile_dir: str = "profile"
+    profile_dir: str = "profile"    # config.build sets <run dir>/profile when the yaml says null
 
     def __post_init__(self):
         _choice("TrainConfig", "overflow_policy", self.overflow_policy, ("warn", "halt"))

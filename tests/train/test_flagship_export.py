@@ -57,9 +57,10 @@ def check_kernels(module: str, kernels: dict, kda: str, attention: bool = True) 
     """Every kernel of the step is a Mosaic call (counted by name in the module), none interpreted."""
     want = KDA[kda] | (SPLASH if attention else set())
     assert kernels["interpret"] == {}, f"Pallas kernels traced in interpret mode: {kernels['interpret']}"
-    assert set(kernels["mosaic"]) == want
+    megablox = {"kernel"}   # the MoE's grouped matmuls on TPU (Megablox gmm / tgmm: unnamed, so named by their body)
+    assert set(kernels["mosaic"]) - megablox == want
     calls = hlo.mosaic_calls(module)
-    assert set(calls) == want and all(n >= 1 for n in calls.values())
+    assert set(calls) - megablox == want and all(n >= 1 for n in calls.values())
 
 
 def test_flagship_step_exports_for_tpu_on_fsdp_tensor_expert():

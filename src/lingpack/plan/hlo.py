@@ -454,5 +454,6 @@ def pallas_kernels(jaxpr) -> dict:
     for eqn in pallas_call_eqns(jaxpr):
         triton = "pallas.triton" in type(eqn.params.get("compiler_params")).__module__
         mode = "interpret" if eqn.params.get("interpret") else "triton" if triton else "mosaic"
-        found[mode][eqn.params.get("name") or "?"] += 1
+        # an unnamed pallas_call (Megablox's gmm) is named by Mosaic after its body function, as here
+        found[mode][eqn.params.get("name") or eqn.params["jaxpr"].debug_info.func_name] += 1
     return {k: dict(v) for k, v in found.items()}

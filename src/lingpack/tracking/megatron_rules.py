@@ -317,7 +317,8 @@ RULES: dict[str, Rule] = {
     "train.log_every": no_loss("console lines; metrics.jsonl holds every step (the command logs every iteration)"),
     "train.nan_policy": no_loss("what happens after a non-finite loss"),
     "train.peak_flops_per_device": no_loss("the MFU estimate"), "train.progress_bar": no_loss(_RUNTIME),
-    "train.handle_signals": no_loss(_RUNTIME), "train.overflow_policy": part_of("kernel.name"),
+    "train.handle_signals": no_loss(_RUNTIME), "train.profile_steps": no_loss(_RUNTIME),
+    "train.profile_dir": no_loss(_RUNTIME), "train.overflow_policy": part_of("kernel.name"),
     # KDA kernel
     "kernel.name": unmapped(_overflow_note), "kernel.max_segs": part_of("kernel.name"),
     "kernel.chunk_size": no_loss(_PERF), "kernel.interpret": no_loss(_PERF),
@@ -335,7 +336,8 @@ RULES: dict[str, Rule] = {
                                                   ("--untie-embeddings-and-output-weights", None))),
     **{f"model.{k}": no_loss(_PERF) for k in
        ("kda_impl", "kda_chunk_size", "kda_max_segs", "kda_interpret", "attention_impl", "attention_block_size",
-        "remat", "remat_policy", "scan_layers", "vocab_chunk_size")},
+        "remat", "remat_policy", "remat_policy_kda", "remat_policy_mla", "remat_policy_moe", "scan_layers",
+        "vocab_chunk_size")},
     "model.kda.num_heads": maps(_kda_flags, _kda_note), "model.kda.head_dim": part_of("model.kda.num_heads"),
     "model.kda.conv_size": part_of("model.kda.num_heads"),
     "model.kda.lower_bound": part_of("model.kda.num_heads"),

@@ -38,6 +38,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # Heavy cases whose behaviour a lighter default-suite test already covers: run by `make test-all` only.
 HEAVY_DUPLICATES = {
+    "tests/experiments/test_hardware_step.py::test_dry_run_on_cpu_measures_and_sits_beside_the_plan":
+        "the benchmark's step measurement is the train loop's (tests/train); its CPU dry run end to end: make test-all",
+    "tests/models/test_remat.py::test_policy_gives_the_loss_and_gradients_of_no_remat[save_qkv_proj-overrides1]":
+        "a saving policy against no remat: the full-policy case and test_minimal_saves_the_tagged_projections; "
+        "the per-part override: test_saving_policies_recompute_fewer_dots_as_remat_flops_counts",
+    "tests/kernels/test_mosaic_compile.py::test_splash_attention_compiles_with_mosaic_at_mla_dims[v5p]":
+        "splash by Mosaic at the MLA's dims: the v5e case; v5p's VMEM holds the KDA kernels' larger blocks",
+    "tests/kernels/test_mosaic_compile.py::test_splash_attention_compiles_with_mosaic_at_mla_dims[v6e]":
+        "splash by Mosaic at the MLA's dims: the v5e case (v6e has v5e's VMEM)",
     "tests/runner/test_runner_smoke.py::test_overflowing_sweep_finishes_with_its_summary":
         "overflow: tests/train/test_train_overflow.py; run.py end to end: the SIGTERM/resume smoke",
     "tests/parity/test_parity_harness.py::test_ten_step_parity_fp32":

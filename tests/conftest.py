@@ -38,6 +38,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # Heavy cases whose behaviour a lighter default-suite test already covers: run by `make test-all` only.
 HEAVY_DUPLICATES = {
+    "tests/train/test_flagship_export.py::test_flagship_step_exports_for_tpu_on_fsdp_tensor_expert":
+        "the flagship step for TPU: tests/train/test_flagship_tpu_compile.py (compiled by XLA:TPU); every kernel "
+        "inside it by Mosaic at flagship dims: tests/kernels/test_mosaic_compile.py",
     "tests/models/test_layers.py::test_short_conv_vjp_keeps_only_inputs":
         "the short convolution's own VJP: test_short_conv_vjp_matches_torch_autograd_per_document (dx, d_kernel); "
         "what XLA:TPU holds for it at T=8192 x 2048 channels: make test-all",

@@ -7,13 +7,15 @@ import circle), the code paths its figures depend on, the command that remeasure
 cheap enough for `python -m experiments.check_results --rerun-cheap` (`make test-all`).
 
 A block is stale when a commit after the one its artifact records changed one of its code paths (files
-under them other than docs and results: .md, .json, .csv, .png); the rendered block then opens with
+under them other than docs and results: .md, .json, .csv, .png; a Python file whose comments or docstrings
+alone changed counts as unchanged); the rendered block then opens with
 "stale since <that commit>" until the benchmark is rerun. Without a git history (a source snapshot) or
 when the recorded commit is not in it (a shallow clone), staleness is unknown and nothing is marked.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import json
@@ -181,12 +183,46 @@ def staleness(code: tuple[str, ...], commits: set[str], root: Path = ROOT) -> St
         for entry in log.split("@")[1:]:
             sha, *files = entry.split()
             code_files = [f for f in files if not f.endswith(NOT_CODE)]
-            if code_files:
+            if code_files and (shas or _changes_code(root, sha, code_files)):   # the first must change code
                 shas.append(sha)
                 changed |= {next(p for p in code if f == p or f.startswith(p.rstrip("/") + "/")) for f in code_files}
         if len(shas) > first:  # the oldest measurement has the longest list of later changes
             since, first = shas[0], len(shas)
     return Staleness(since, recorded, tuple(sorted(changed)))
+
+
+def _python_code(text: str | None):
+    """A Python file's code without its comments and docstrings (None: not Python, or absent)."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, TypeError):
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def _changes_code(root: Path, sha: str, files: list[str]) -> bool:
+    """Whether commit `sha` changed more than comments and docstrings in `files` (non-Python files: any change)."""
+    if any(not f.endswith(".py") for f in files):
+        return True
+    specs = [f"{rev}:{f}" for f in files for rev in (f"{sha}^", sha)]
+    out = subprocess.run(["git", "cat-file", "--batch"], cwd=root, input="\n".join(specs).encode() + b"\n",
+                         capture_output=True).stdout
+    texts = []
+    while out:   # "<oid> blob <size>\n<content>\n", or "<spec> missing\n" (a file added or deleted)
+        header, _, out = out.partition(b"\n")
+        if header.endswith(b" missing"):
+            texts.append(None)
+            continue
+        size = int(header.split()[2])
+        texts.append(out[:size].decode("utf-8", "replace"))
+        out = out[size + 1:]
+    pairs = zip(texts[0::2], texts[1::2])
+    return any(a is None or b is None or _python_code(a) != _python_code(b) for a, b in pairs)
 
 
 def block_staleness(name: str, root: Path = ROOT) -> Staleness:

@@ -42,6 +42,22 @@ def test_a_change_to_the_code_after_the_measured_commit_makes_a_block_stale(tmp_
     assert blocks.staleness(code, {measured, changed}, tmp_path).since == changed
 
 
+def test_comments_and_docstrings_stale_nothing_a_code_change_does(tmp_path):
+    _git(tmp_path, "init", "-q")
+    measured = _commit(tmp_path, {"src/k.py": '"""Doc."""\nx = 1  # one\n\n\ndef f():\n    """Doc."""\n    return x\n'},
+                       "code")
+    _commit(tmp_path, {"src/k.py": '"""Other doc."""\n# a comment\nx = 1  # uno\n\n\ndef f():\n    """More."""\n'
+                                   '    return x\n'}, "words")
+    assert blocks.staleness(("src",), {measured}, tmp_path).since is None
+    changed = _commit(tmp_path, {"src/k.py": '"""Other doc."""\nx = 2\n\n\ndef f():\n    return x\n'}, "code")
+    assert blocks.staleness(("src",), {measured}, tmp_path).since == changed
+    _commit(tmp_path, {"src/k.py": "x = 2\n\n\ndef f():\n    return x\n"}, "words again")
+    assert blocks.staleness(("src",), {changed}, tmp_path).since is None
+    # a string statement that is not a docstring is code
+    _commit(tmp_path, {"src/k.py": 'x = 2\n"not a docstring"\n\n\ndef f():\n    return x\n'}, "code")
+    assert blocks.staleness(("src",), {changed}, tmp_path).since is not None
+
+
 def test_staleness_is_unknown_without_history_or_commit(tmp_path):
     assert blocks.staleness(("src",), {"abc1234"}, tmp_path).unknown == "no git history"
     _git(tmp_path, "init", "-q")

@@ -10,36 +10,19 @@ file unless ALLOW_MULTIPLE_LIBTPU_LOAD is set (several compiles on one host at o
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-# topology name: (chip config, chips per host); one host holds at most 4 chips (2x2x1 / 2x2)
-TOPOLOGIES = {
-    "v5p:1x1x1": ("megacore", (1, 1, 1)),
-    "v5p:2x2x1": ("megacore", (2, 2, 1)),
-    "v5p:2x2x2": ("megacore", (2, 2, 1)),
-    "v5p:4x4x4": ("megacore", (2, 2, 1)),
-    "v5e:1x1": ("default", (1, 1)),
-    "v5e:2x2": ("default", (2, 2)),
-    "v5e:2x4": ("default", (2, 2)),
-    "v6e:1x1": ("default", (1, 1)),
-    "v6e:2x2": ("default", (2, 2)),
-    "v6e:2x4": ("default", (2, 2)),
-}
-
 
 def devices(topology: str) -> list:
-    """The devices of one slice of `topology` (a key of TOPOLOGIES)."""
-    from jax.experimental import topologies
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"unknown topology {topology!r}; known: {sorted(TOPOLOGIES)}")
-    chip_config, per_host = TOPOLOGIES[topology]
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name=chip_config,
-                                             chips_per_host_bounds=per_host, num_slices=1,
-                                             wrap=(False,) * len(per_host)).devices)
+    """The devices of a TPU slice named like "v5p:2x2x2" (lingpack.plan.chips.tpu_devices)."""
+    from lingpack.plan import chips
+    generation, shape = topology.split(":")
+    return chips.tpu_devices(chips.chip(generation), math.prod(map(int, shape.split("x"))), shape)
 
 
 def memory(compiled) -> dict:

@@ -38,6 +38,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # Heavy cases whose behaviour a lighter default-suite test already covers: run by `make test-all` only.
 HEAVY_DUPLICATES = {
+    "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-False]":
+        "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
+    "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-True]":
+        "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
+    "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_varlen-False]":
+        "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
+    "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_varlen-True]":
+        "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
+    "tests/parallel/test_expert.py::test_capacity_buffers_equal_one_device[balanced-dense]":
+        "the dense exchange against one device: the skewed-dense case (its overflow rounds included)",
     "tests/train/test_flagship_export.py::test_flagship_step_exports_for_tpu_on_fsdp_tensor_expert":
         "the flagship step for TPU: tests/train/test_flagship_tpu_compile.py (compiled by XLA:TPU); every kernel "
         "inside it by Mosaic at flagship dims: tests/kernels/test_mosaic_compile.py",

@@ -43,7 +43,6 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
 from jax.sharding import PartitionSpec as P, SingleDeviceSharding  # noqa: E402
 
 from lingpack import backend  # noqa: E402
@@ -55,19 +54,12 @@ from lingpack.train.configs import ParallelConfig  # noqa: E402
 from lingpack.train.sharding import make_mesh  # noqa: E402
 
 from experiments.expert_parallel.bench import flagship_moe  # noqa: E402
+from experiments.xla_tpu import devices as tpu_devices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments" / "expert_parallel" / "results"
 TOKENS_PER_DEVICE = 8192
 GIB = 2 ** 30
-TOPOLOGIES = {"v5p:1x1x1": ("megacore", (1, 1, 1)), "v5p:2x2x2": ("megacore", (2, 2, 1)),
-              "v5e:4x8": ("default", (2, 2, 1)), "v5e:2x4": ("default", (2, 2, 1))}
-
-
-def tpu_devices(name: str):
-    chip_config, bounds = TOPOLOGIES[name]
-    return topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name=chip_config,
-                                        chips_per_host_bounds=bounds, num_slices=1, wrap=(False,) * 3).devices
 
 
 def _estimated_cycles(text: str) -> int:

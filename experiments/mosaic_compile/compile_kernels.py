@@ -90,7 +90,7 @@ def compile_all() -> dict:
     programs = [("kda", impl, gate) for impl in ("pallas_segment", "pallas_varlen") for gate in mosaic.GATES]
     programs.append(("splash", "splash", "segment_ids"))
     rows, roofline = [], {}
-    for generation in mosaic.ONE_CHIP:
+    for generation in mosaic.GENERATIONS:
         for family, impl, gate in programs:
             fn, args = (mosaic.kda_program(impl, gate, **kda_dims) if family == "kda"
                         else mosaic.splash_program(**splash_dims))

@@ -17,16 +17,17 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other test processes
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import math  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from lingpack import backend  # noqa: E402
+from lingpack.plan import chips  # noqa: E402
 from lingpack.models.moe import MoE, MoEConfig  # noqa: E402
 from lingpack.parallel import expert  # noqa: E402
 from lingpack.parallel.layout import Layout, activation_layout  # noqa: E402
@@ -41,10 +42,9 @@ D, T = 128, 256
 
 @functools.cache
 def _devices(topology: str):
-    chip_config = "megacore" if topology.startswith("v5p") else "default"
-    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name=chip_config,
-                                              chips_per_host_bounds=(2, 2, 1), num_slices=1,
-                                              wrap=(False,) * 3).devices)
+    """The devices of a TPU slice named like "v5e:4x8" (lingpack.plan.chips.tpu_devices)."""
+    generation, shape = topology.split(":")
+    return tuple(chips.tpu_devices(chips.chip(generation), math.prod(map(int, shape.split("x"))), shape))
 
 
 def _compile(cfg: MoEConfig, parallel: ParallelConfig, devices) -> str:

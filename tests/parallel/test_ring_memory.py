@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lingpack import backend
-from lingpack.kernels import mosaic
+from lingpack.plan import chips
 
 from lingpack.parallel.context import ContextParallel, context_attention
 from lingpack.train.configs import ParallelConfig
@@ -34,8 +34,7 @@ def test_ring_peak_against_one_device():
     2.54 x (one-device peak / 8); bound 2.7. (XLA:CPU at -O0 planned 1.66 x for this ring and 2.12 x for a
     design that tiled over stacked copies of every operand; XLA:TPU fuses the one-device program far more,
     so its ratio is higher: the bound is re-derived from its plan, not carried over.)"""
-    one_chip = mosaic.devices(mosaic.Topology("v5p:1x1x1", "megacore"))
-    eight = mosaic.devices(mosaic.Topology("v5p:2x2x2", "megacore"), chips_per_host=(2, 2, 1))
+    one_chip, eight = chips.tpu_devices(chips.chip("v5p"), 1), chips.tpu_devices(chips.chip("v5p"), 8)
     one = ContextParallel(make_mesh(ParallelConfig(data=1, context=1), devices=one_chip), load_balance=False)
     ring = ContextParallel(make_mesh(ParallelConfig(data=1, context=8), devices=eight), strategy="ring")
     one_peak, ring_peak = peak(one), peak(ring)

@@ -20,8 +20,7 @@ import pytest
 import yaml
 
 from lingpack import backend
-from lingpack.kernels import mosaic
-from lingpack.plan import hlo
+from lingpack.plan import chips, hlo
 from lingpack.models.kda import KDAConfig
 from lingpack.models.ling3 import Ling3Config
 from lingpack.models.mla import MLAConfig
@@ -117,8 +116,8 @@ def test_per_device_work_falls_with_the_batch_axis_on_xla_tpu():
     measured 3.96x one chip's: at these widths (emb 32, one 128-token row per device) XLA:TPU's temporaries
     are mostly not row-proportional, so the bound is 4.5x (rows left global would give ~8x), where XLA:CPU's
     -O0 plan allows 1.5x."""
-    one = compile_step_tpu(mosaic.devices(mosaic.Topology("v5p:1x1x1", "megacore")), dict(data=1))
-    eight = compile_step_tpu(mosaic.devices(mosaic.Topology("v5p:2x2x2", "megacore"), chips_per_host=(2, 2, 1)),
+    one = compile_step_tpu(chips.tpu_devices(chips.chip("v5p"), 1), dict(data=1))
+    eight = compile_step_tpu(chips.tpu_devices(chips.chip("v5p"), 8),
                              CONF["data"])
     flops = [c.cost_analysis()["flops"] for c in (one, eight)]
     temp = [c.memory_analysis().temp_size_in_bytes for c in (one, eight)]

@@ -14,8 +14,8 @@ from lingpack.train.program import TrainProgram
 from tests.train.test_flagship_export import KDA, SPLASH, T, flagship
 
 
-def compile_flagship(topology: mosaic.Topology, chips_per_host, *, rows: int, num_layers=None, **mesh):
-    devices = mosaic.devices(topology, chips_per_host=chips_per_host)
+def compile_flagship(generation: str, count: int, *, rows: int, num_layers=None, **mesh):
+    devices = chips.tpu_devices(chips.chip(generation), count)   # the standard slice of `count` chips
     parallel = ParallelConfig(**{"data": 1, "fsdp": 1, "tensor": 1, "expert": 1, "context": 1, **mesh})
     with backend.target("tpu"):
         program = TrainProgram.build(flagship("pallas_segment", num_layers), LossConfig(),
@@ -42,19 +42,18 @@ def check_compiled(compiled, generation: str) -> None:
 def test_whole_flagship_step_compiles_for_64_v5p_chips():
     """conf/model/ling3_flagship.yaml as configured (24 layers, kernel=pallas_segment, splash), T=8192, 64
     rows on fsdp=8 x expert=8 of a v5p:4x4x4 slice."""
-    compiled = compile_flagship(mosaic.Topology("v5p:4x4x4", "megacore"), (2, 2, 1), rows=64, fsdp=8, expert=8)
+    compiled = compile_flagship("v5p", 64, rows=64, fsdp=8, expert=8)
     check_compiled(compiled, "v5p")
 
 
-EIGHT_CHIPS = {"v5e": mosaic.Topology("v5e:2x4", "default"), "v5p": mosaic.Topology("v5p:2x2x2", "megacore"),
-               "v6e": mosaic.Topology("v6e:2x4", "default")}
+GENERATIONS = ("v5e", "v5p", "v6e")   # 8 chips each: v5e / v6e 2x4, v5p 2x2x2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("generation", sorted(EIGHT_CHIPS))
+@pytest.mark.parametrize("generation", GENERATIONS)
 def test_two_layer_flagship_step_compiles_for_8_chips(generation):
     """The flagship's first two layers (KDA + dense, KDA + MoE) and its MTP layer (MLA + MoE: splash), T=8192,
     8 rows on fsdp=8 (no expert parallelism: v5e's XLA:TPU refuses the ragged all-to-all). On v5p: 389 CPU s of compile on the 2-core host,
     10.9 GiB per device, so not in the default suite."""
-    compiled = compile_flagship(EIGHT_CHIPS[generation], (2, 2, 1), rows=8, num_layers=2, fsdp=8)
+    compiled = compile_flagship(generation, 8, rows=8, num_layers=2, fsdp=8)
     check_compiled(compiled, generation)

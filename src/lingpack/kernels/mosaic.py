@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import time
 
@@ -28,56 +27,15 @@ MIB = 2**20
 VMEM_BYTES = {"v5e": 128 * MIB, "v5p": 64 * MIB, "v6e": 128 * MIB}
 
 
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    name: str            # get_topology_desc's topology_name
-    chip_config: str     # its chip_config_name
-
-
-ONE_CHIP = {"v5e": Topology("v5e:1x1", "default"), "v5p": Topology("v5p:1x1x1", "megacore"),
-            "v6e": Topology("v6e:1x1", "default")}
-INSTALL = 'install libtpu with the test extra: pip install -e ".[test]" (jax[tpu])'
-
-
-def quiet_host_probe() -> None:
-    """Environment for libtpu on a host with no TPU: it compiles only (JAX_PLATFORMS=cpu keeps arrays on
-    CPU), its host probe is told a chip type, and several processes may load it at once (its lock file
-    would refuse a second one)."""
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
-def devices(topology: Topology, chips_per_host=(1, 1, 1)) -> list:
-    """The TPU devices of `topology` (compile targets, not runnable); a one-line error if libtpu is missing."""
-    quiet_host_probe()
-    from jax.experimental import topologies
-    try:
-        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology.name,
-                                            chip_config_name=topology.chip_config,
-                                            chips_per_host_bounds=chips_per_host, num_slices=1,
-                                            wrap=(False, False, False))
-    except Exception as err:   # libtpu absent, or a topology name this libtpu does not know
-        if "libtpu" in str(err).lower() or "tpu" not in _plugins():
-            raise ConfigError(f"compiling for TPU {topology.name} needs libtpu, which is not installed; "
-                              f"{INSTALL}") from err
-        raise ConfigError(f"libtpu cannot build the TPU topology {topology.name!r} "
-                          f"(chip config {topology.chip_config!r}): {err}") from err
-    return list(desc.devices)
-
-
-def _plugins() -> str:
-    try:
-        import libtpu  # noqa: F401
-        return "tpu"
-    except ImportError:
-        return ""
+GENERATIONS = ("v5e", "v5p", "v6e")
 
 
 def one_chip(generation: str):
-    """The one device of a single chip of `generation` (v5e, v5p megacore, v6e)."""
-    if generation not in ONE_CHIP:
-        raise ConfigError(f"TPU generation {generation!r} unknown; choose one of {sorted(ONE_CHIP)}")
-    return devices(ONE_CHIP[generation])[0]
+    """The one device of a single chip of `generation` (v5e, v5p megacore, v6e): `lingpack.plan.chips.tpu_devices`."""
+    from lingpack.plan import chips
+    if generation not in GENERATIONS:
+        raise ConfigError(f"TPU generation {generation!r} unknown; choose one of {list(GENERATIONS)}")
+    return chips.tpu_devices(chips.chip(generation), 1)[0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,8 @@ routing sends every device M rows, M / R from each sender. Two exchanges:
   sends at most `window = capacity x M / R` rows to each device per round; the receiver holds R windows.
 
 Nothing is dropped. Rows past the window wait for another round: round r carries the rows whose position in
-their window stream (the receiver's landing order, or the sender-receiver pair's) lies in [r w, (r + 1) w).
+their window stream (the order rows arrive at their receiver, or among the rows one sender sends one receiver)
+lies in [r w, (r + 1) w).
 The first round is always taken; the others (a `while_loop`, skipped unless some device overflows: every
 device reads the same counts table, so all take the same number) only when routing is that skewed. The
 rounds count comes back beside the outputs (the MoE's `dispatch_rounds` statistic).
@@ -131,7 +132,7 @@ class _Plan:
         self.window, self.rows, self.pair_rows = buffer_rows(M, R, L, top_k, capacity, exchange)
         self.counts_SJL = counts_SE.reshape(R, R, L)                        # sender, holder, holder's expert
         self.start_SE = _exclusive_cumsum(counts_SE)                        # each sender's sorted-row offsets
-        if exchange == "ragged":   # position in the holder's landing order: experts first, then senders
+        if exchange == "ragged":   # position in the order rows arrive at the holder: experts first, then senders
             land_JLS = _exclusive_cumsum(self.counts_SJL.transpose(1, 2, 0).reshape(R, L * R)).reshape(R, L, R)
             self.pos_SJL = land_JLS.transpose(2, 0, 1)
         else:                      # position among the rows one sender sends one holder

@@ -38,6 +38,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # Heavy cases whose behaviour a lighter default-suite test already covers: run by `make test-all` only.
 HEAVY_DUPLICATES = {
+    "tests/models/test_remat.py::test_policy_gives_the_loss_and_gradients_of_no_remat[full-overrides0]":
+        "remat against none: tests/models/test_ling3.py::test_remat_gives_identical_gradients (the default "
+        "policy); what each named policy saves and recomputes: test_saving_policies_recompute_fewer_dots_as_remat_flops_counts",
+    "tests/parallel/test_expert.py::test_capacity_buffers_equal_one_device[balanced-ragged]":
+        "the ragged exchange against one device: the skewed-ragged case (round 0 and the overflow rounds)",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-False]":
         "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-True]":

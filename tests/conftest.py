@@ -116,6 +116,13 @@ HEAVY_DUPLICATES = {
     "tests/train/test_evaluate.py::test_resumed_run_evaluates_the_same_batches_at_the_same_steps":
         "evaluation across a resume: the run.py SIGTERM/resume smoke (evaluations at the same steps over both "
         "tries); which valid batches: test_valid_and_test_batches_are_megatron_samples",
+    "tests/kernels/test_kda_pallas_model.py::test_ling3_packed_equals_per_document_with_pallas_kda[pallas_segment]":
+        "the kernel per document: tests/kernels/test_kda_pallas.py (random segmentations against the oracle and "
+        "the reference, forward and gradients); the model's packing on the segment-native layout: "
+        "tests/models/test_ling3.py::test_packed_equals_per_document[chunked_aligned-dot_product]",
+    "tests/train/test_batch_sharding.py::test_rows_stay_split[fsdp_tensor]":
+        "rows split over a batch axis with no batch collective: the [data] case; the fsdp x tensor train step "
+        "against one device: tests/train/test_train_sharding.py",
     "tests/models/test_parity_kimi.py::test_lingpack_to_hf_logits":
         "test_hf_to_lingpack_logits (logits, and every tensor and key back to transformers' names exactly) and "
         "test_scanned_model_converts_both_ways",

@@ -245,6 +245,7 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
                 own.setdefault((comp, op.operands[0]), 0.0)
     executed, unknown = hlo.executed(text, branch_weights)
     by_part, by_kind = collections.defaultdict(float), collections.defaultdict(float)
+    flops_part, flops_kind = collections.defaultdict(float), collections.defaultdict(float)
     total = roof_total = hidden = flops_total = xla_cycles_s = 0.0
     top = collections.defaultdict(lambda: [0.0, 0.0, ""])
     for e in executed:
@@ -263,6 +264,8 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
         xla_cycles_s += e.times * (row["xla_s"] or 0.0)
         by_part[row["part"]] += spent
         by_kind[row["kind"]] += spent
+        flops_part[row["part"]] += e.times * row["flops"]
+        flops_kind[row["kind"]] += e.times * row["flops"]
         label = f"{row['kind']} [{row['part']}] {e.op.name}"
         top[label][0] += spent
         top[label][1] += e.times
@@ -272,4 +275,6 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
             "flops": flops_total, "unknown_trip_counts": unknown,
             "by_part": dict(sorted(by_part.items(), key=lambda kv: -kv[1])),
             "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "flops_by_part": {k: v for k, v in sorted(flops_part.items(), key=lambda kv: -kv[1]) if v},
+            "flops_by_kind": {k: v for k, v in sorted(flops_kind.items(), key=lambda kv: -kv[1]) if v},
             "top": [{"op": k, "seconds": v[0], "runs": v[1], "basis": v[2]} for k, v in ranked]}

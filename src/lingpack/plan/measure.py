@@ -149,7 +149,7 @@ def compiled_metrics(program, model_cfg, chip, compiler: str, save_hlo: str | No
         coords = [list(d.coords) for d in program.mesh.devices.flat]
         costed = cost_lib.program_cost(text, chip, coords=coords, branch_weights=weights)
         out["cost"] = {k: costed[k] for k in ("step_s", "roofline_s", "xla_cycles_s", "hidden_s", "flops",
-                                              "by_part", "by_kind")}
+                                              "by_part", "by_kind", "flops_by_part", "flops_by_kind")}
         out["top"] = costed["top"]
         out["xla_optimal_seconds"] = float(xla.get("optimal_seconds", 0.0))
         out["mosaic_kernels"] = hlo.compiled_kernels(text)

@@ -1,4 +1,6 @@
 """lingpack.plan.hlo counts the collectives a compiled program executes, with their bytes and loop trip counts."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +54,7 @@ def test_matmul_flops_count_every_trip_and_a_weighted_conditional_counts_its_sha
         with jax.named_scope("weighed"):
             return jax.lax.cond(i % 4 == 3, lambda y: jnp.tanh(y @ w) @ w.T, lambda y: jnp.sin(y), y)
     text = jax.jit(lambda x: jax.lax.fori_loop(0, 4, body, x)).lower(x).compile().as_text()
-    share = lambda op: [0.75, 0.25] if "/weighed/" in hlo.op_name(op.line) else None
+    share = lambda op, scope: [0.75, 0.25] if "/weighed/" in scope + "/" else None
     assert hlo.dot_flops(text) == 4 * 2 * one                     # as if the matmul branch ran every trip
     assert hlo.dot_flops(text, share) == 4 * 0.25 * 2 * one      # the trips that take it
 
@@ -95,6 +97,26 @@ def test_an_in_place_update_under_converts_moves_its_update_not_the_buffer():
     assert hlo.memory_traffic(IN_PLACE_UNDER_CONVERTS) == row * 4 + row * 2 + 4
 
 
+def test_a_conditional_without_its_own_name_stack_is_found_by_its_branches():
+    """XLA:TPU drops the op_name of conditionals it clones or sinks into a loop (the layer stack's forward and
+    remat mixer conds in the flagship step): the cond's scope then comes from its branches' instructions."""
+    x, w = jnp.ones((64, 128)), jnp.ones((128, 32))
+
+    def body(i, y):
+        with jax.named_scope("weighed"):
+            return jax.lax.cond(i % 4 == 3, lambda y: jnp.tanh(y @ w) @ w.T, lambda y: jnp.sin(y), y)
+    text = jax.jit(lambda x: jax.lax.fori_loop(0, 4, body, x)).lower(x).compile().as_text()
+    conds = [line for line in text.splitlines() if " conditional(" in line]
+    assert conds and all("/weighed/cond" in hlo.op_name(line) for line in conds)
+    stripped = re.sub(r'(conditional\(.*?)op_name="[^"]*"', r'\1op_name="conditional.4"', text)
+    assert all(hlo.op_name(line) == "conditional.4" for line in stripped.splitlines() if " conditional(" in line)
+    scopes = []
+    share = lambda op, scope: scopes.append(scope) or ([0.75, 0.25] if "/weighed/" in scope + "/" else None)
+    one = 2 * 64 * 128 * 32
+    assert hlo.dot_flops(stripped, share) == 4 * 0.25 * 2 * one
+    assert any(scope.endswith("weighed/cond") for scope in scopes), scopes
+
+
 def test_a_while_weighted_n_runs_n_times():
     """A loop whose weight is [0] (the expert-parallel overflow rounds, not taken in the expected step) adds no
     FLOPs, [3] adds three trips; unweighted, a loop of unknown trip count counts once."""
@@ -103,7 +125,7 @@ def test_a_while_weighted_n_runs_n_times():
     x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
     text = jax.jit(f).lower(x, x, jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
     one = 2 * 64 ** 3
-    weigh = lambda n: (lambda op: [n] if op.opcode == "while" else None)
+    weigh = lambda n: (lambda op, scope: [n] if op.opcode == "while" else None)
     assert hlo.dot_flops(text) == one
     assert hlo.dot_flops(text, weigh(0.0)) == 0
     assert hlo.dot_flops(text, weigh(3.0)) == 3 * one

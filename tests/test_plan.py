@@ -3,6 +3,7 @@ collective bytes of a known sharded matmul, and the config composed as run.py co
 import dataclasses
 import functools
 import json
+import os
 import subprocess
 import sys
 import types
@@ -149,6 +150,16 @@ def test_a_mesh_that_does_not_match_the_devices_is_one_line_and_one_device_becom
     assert "Traceback" not in proc.stderr
 
 
+def test_tpu_topology_devices_come_without_libtpu_host_probe_noise():
+    """libtpu looks for this host's TPU workers when it loads; compiling from a CPU host it found none and printed
+    4 lines (an INVALID_ARGUMENT about TPU_WORKER_HOSTNAMES) before every plan."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")} | {"JAX_PLATFORMS": "cpu"}
+    code = "from lingpack.plan import chips; print(len(chips.tpu_devices(chips.chip('v5p'), 8)))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split() == ["8"], proc.stderr[-2000:]
+    assert proc.stderr == ""
+
+
 def test_gpu_chips_are_planned_on_the_twin_with_the_gpu_side_of_the_moe():
     rc = plan.run_config(plan.compose(["model=ling3_tiny", "kernel=pallas_segment"], plan.find_conf_dir(str(ROOT / "conf"))))
     assert plan.PlanConfig(chip="h100").backend == "cpu" and plan.PlanConfig(chip="v5e").backend == "tpu"
@@ -203,7 +214,7 @@ def test_layer_stack_matmul_flops_equal_the_unrolled_models():
                                      TrainConfig(), rows=2, seq_length=64, devices=jax.devices()[:1])
         text = program.lower().compile().as_text()
         weights, hits = plan_measure.branch_weights(model), []
-        found = lambda op: hits.append(op.name) or weights(op) if weights(op) else None
+        found = lambda op, scope: hits.append(op.name) or weights(op, scope) if weights(op, scope) else None
         flops[scan] = (hlo.dot_flops(text, found), hlo.dot_flops(text))
         assert bool(hits) == scan, "the layer stack's mixer cond is found by its named scope"
     assert flops[True][0] == pytest.approx(flops[False][0], rel=0.03)

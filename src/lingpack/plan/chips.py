@@ -111,6 +111,7 @@ def tpu_devices(chip: Chip, devices: int, override: str | None = None) -> list:
     """`devices` TPU devices of a `chip` slice, for compiling with libtpu on a host without one (no TPU needed)."""
     import os
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{chip.name}-8")   # quiets libtpu's probe of this host
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")        # one process compiles: no pod workers to find
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")           # other compiles may hold libtpu's lock
     try:
         import libtpu  # noqa: F401

@@ -101,15 +101,31 @@ def op_name(line: str) -> str:
     return found.group(1) if found else ""
 
 
-def _branches(op: Instruction, branch_weights) -> tuple[list[str], list[float]]:
-    """A conditional's branch computations in index order (a predicate's: false, true) and their weights."""
+def cond_scope(op: Instruction, comps: dict, branches: list[str]) -> str:
+    """A conditional's name stack: its own `op_name`, else (XLA:TPU drops it from conditionals it clones or
+    sinks into a loop) the one its branches' instructions share before their `/branch_<i>_fun/` (most of them)."""
+    own = op_name(op.line)
+    if own.endswith("cond"):
+        return own
+    votes = collections.Counter()
+    for branch in branches:
+        for inner in comps.get(branch, []):
+            found = re.match(r"(.*)/branch_\d+_fun/", op_name(inner.line))
+            if found:
+                votes[found.group(1)] += 1
+    return votes.most_common(1)[0][0] if votes else own
+
+
+def _branches(op: Instruction, branch_weights, comps: dict) -> tuple[list[str], list[float]]:
+    """A conditional's branch computations in index order (a predicate's: false, true) and their weights
+    (`branch_weights(op, scope)`, scope: `cond_scope`)."""
     listed = re.search(r"branch_computations=\{([^}]*)\}", op.line)
     if listed:
         branches = re.findall(r"%?([\w.\-]+)", listed.group(1))
     else:
         named = dict(re.findall(r"(true|false)_computation=%?([\w.\-]+)", op.line))
         branches = [named[k] for k in ("false", "true") if k in named]
-    weights = branch_weights(op) if branch_weights else None
+    weights = branch_weights(op, cond_scope(op, comps, branches)) if branch_weights else None
     return branches, list(weights) if weights else [1.0] * len(branches)
 
 
@@ -133,11 +149,11 @@ def trip_count(op: Instruction, comps: dict) -> int | None:
 def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
     """(every instruction the program runs, with its execution count, loops whose trip count is unknown).
 
-    A conditional's branches each count as if they ran (an upper bound), unless `branch_weights(op)` returns
-    one weight per branch, e.g. the share of a layer scan's trips that take each branch (found by the named
-    scope in the op's `op_name`). For a `while`, `branch_weights(op)` may return `[n]`: the loop
-    runs n times, whatever its condition (e.g. 0 for the expert-parallel overflow rounds, taken only when a
-    receive buffer overflows).
+    A conditional's branches each count as if they ran (an upper bound), unless `branch_weights(op, scope)`
+    returns one weight per branch, e.g. the share of a layer scan's trips that take each branch (found by the
+    named scope in the cond's name stack, `cond_scope`). For a `while`, `branch_weights(op, its op_name)` may
+    return `[n]`: the loop runs n times, whatever its condition (e.g. 0 for the expert-parallel overflow
+    rounds, taken only when a receive buffer overflows).
     """
     comps, entry = _computations(hlo)
     shapes = {name: {op.name: op.shape for op in ops} for name, ops in comps.items()}
@@ -147,7 +163,7 @@ def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
         for op in comps.get(comp, []):
             found.append(Executed(op, times, fused, shapes[comp], comp))
             if op.opcode == "while":
-                expected = branch_weights(op) if branch_weights else None   # [n]: the loop is taken n times
+                expected = branch_weights(op, op_name(op.line)) if branch_weights else None   # [n]: the loop is taken n times
                 trip = expected[0] if expected and len(expected) == 1 else trip_count(op, comps)
                 unknown[0] += trip is None
                 body = re.search(r"body=%?([\w.\-]+)", op.line).group(1)
@@ -156,7 +172,7 @@ def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
             for key, callee in re.findall(r"(to_apply|calls)=%?([\w.\-]+)", op.line):
                 visit(callee, times, fused or key == "to_apply" or op.opcode == "fusion")
             if op.opcode == "conditional":
-                for callee, weight in zip(*_branches(op, branch_weights)):
+                for callee, weight in zip(*_branches(op, branch_weights, comps)):
                     visit(callee, times * weight, fused)
 
     if entry is not None:

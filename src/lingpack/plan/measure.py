@@ -65,8 +65,8 @@ def branch_weights(model_cfg):
             share = mixers.count("mla") / len(mixers)
             mixer = [1 - share, share]   # lax.cond(is_mla, mla, kda): branch 0 (false) is KDA, branch 1 is MLA
 
-    def weights(op):
-        scopes = hlo.op_name(op.line).split("/")
+    def weights(op, scope: str):
+        scopes = scope.split("/")
         if op.opcode == "while" and OVERFLOW_SCOPE in scopes:
             return [0.0]
         return mixer if mixer and op.opcode == "conditional" and MIXER_SCOPE in scopes else None

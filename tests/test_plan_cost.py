@@ -137,3 +137,16 @@ def test_a_small_ling3_steps_compiled_flops_are_train_flops_plus_its_remat(small
     planned = cost.program_cost(text, chips.chip("v5p"), branch_weights=weights)
     analytic = flops_lib.flops_per_token(model, T) * rows * T
     assert planned["flops"] == pytest.approx(analytic + measure.remat_flops(model, T, rows * T), rel=0.10)
+
+
+def test_a_convolution_counts_only_the_taps_that_land_on_its_input():
+    """XLA:TPU writes some matmuls as a convolution over a window that is mostly padding (KDA's and MLA's
+    low-rank up-projections in the flagship step: a 1-long input, a 16-tap window, 15 padding each side).
+    Only the taps on real input elements multiply: here one per output position, not 16."""
+    x, w = jnp.ones((8, 4, 1)), jnp.ones((3, 4, 16))
+    padded = lambda x, w: jax.lax.conv_general_dilated(x, w, (1,), [(15, 15)])
+    y, k = jnp.ones((2, 4, 10)), jnp.ones((3, 4, 3))
+    same = lambda y, k: jax.lax.conv_general_dilated(y, k, (1,), [(1, 1)])   # the edge taps of 2 outputs fall off
+    for f, args, macs in ((padded, (x, w), 8 * 3 * 16 * 4), (same, (y, k), 2 * 3 * 4 * (10 * 3 - 2))):
+        comps, entry = hlo._computations(jax.jit(f).lower(*args).compile().as_text())
+        assert cost.fused_flops(entry, comps) == 2 * macs

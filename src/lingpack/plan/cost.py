@@ -6,7 +6,8 @@ Per top-level instruction of the compiled HLO (`compiled.as_text()`, after fusio
                       (`chips.Chip.cycle_hz`), never below its FLOPs at peak; where XLA wrote none (or
                       INT64_MAX), the roofline max(FLOPs / peak, bytes at its boundary / HBM bandwidth)
   Mosaic kernel       a `tpu_custom_call`: the `pl.CostEstimate` its pallas_call declared (the custom call's
-                      backend_config carries it), as the roofline of those FLOPs and bytes
+                      backend_config carries it), as the roofline of those FLOPs and bytes; JAX's splash
+                      kernels declare none: lingpack's analytic estimate of them (`splash_cost`)
   collective          bytes one device sends (ring algorithms) over the ICI links of the torus dimensions its
                       replica group spans (2 directions per dimension); an async `-start`/`-done` pair is
                       hidden behind the compute the schedule places between them, only the rest is exposed
@@ -83,13 +84,50 @@ def kernel_cost(line: str) -> tuple[float, float] | None:
     return float(est.get("flops", 0)), float(est.get("bytes_accessed", 0))
 
 
+def splash_cost(op, name: str) -> tuple[float, float] | None:
+    """(FLOPs, bytes) of one of JAX's splash kernels, which declare no CostEstimate: lingpack's analytic one
+    (kernels/attention/splash.py, causal, as the MLA runs it) at the shapes its operands carry: block masks
+    [1, T / block, T / block], then q, k [H, T, K] and v [H, T, V]."""
+    if not name.startswith("splash_mha"):
+        return None
+    listed = op.line.split("operand_layout_constraints={", 1)[-1]
+    dims = [[int(d) for d in found.split(",")] for found in re.findall(r"\w+\[([\d,]+)\]", listed)[:5]]
+    if len(dims) < 5 or any(len(d) != 3 for d in dims):
+        return None
+    (_, blocks, _), _, (H, T, K), _, (_, _, V) = dims
+    from lingpack.kernels.attention import splash
+    estimates = splash.cost_estimates(1, H, T, K, V, block=T // blocks, causal=True)
+    est = next((e for prefix, e in estimates.items() if name.startswith(prefix)), None)
+    return (float(est.flops), float(est.bytes_accessed)) if est else None
+
+
 def kernel_name(op) -> str:
     scopes = [s for s in re.split(r"[/]", hlo.op_name(op.line)) if s and s != "pallas_call"]
     return scopes[-1] if scopes else op.name.rstrip(".0123456789")
 
 
+def _window(line: str, key: str, n: int, default: int) -> list[int]:
+    found = re.search(rf"\b{key}=([\dx_]+)", line)
+    if not found:
+        return [default] * n
+    return [int(v.split("_")[0]) for v in found.group(1).split("x")]
+
+
+def _valid_taps(in_size: int, out_size: int, size: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> int:
+    """(output position, window tap) pairs of one spatial dimension whose tap lands on a real input element,
+    not on padding or a dilation hole."""
+    o = np.arange(out_size)
+    total = 0
+    for t in range(size):
+        p = o * stride + t * rhs_dil - pad_lo   # position in the padded, dilated input
+        total += int(np.count_nonzero((p >= 0) & (p <= (in_size - 1) * lhs_dil) & (p % lhs_dil == 0)))
+    return total
+
+
 def _conv_flops(op, shapes) -> float:
-    """2 x result elements x contracted size of a `convolution` (XLA:TPU's form of a matmul) or `dot`."""
+    """2 x multiply-adds of a `convolution` (XLA:TPU's form of a matmul) or `dot`: per output element the
+    contracted features times the window taps that land on the input (XLA:TPU writes some matmuls as a
+    convolution whose window is mostly padding: counting every tap overstated them 16x)."""
     out = math.prod(hlo._dims(op.shape))
     operands = op.operands
     if op.opcode == "dot":
@@ -97,18 +135,29 @@ def _conv_flops(op, shapes) -> float:
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", op.line)
         k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
         return 2.0 * out * k
-    labels = re.search(r"dim_labels=\w*_(\w+)->", op.line)
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", op.line)
+    lhs = hlo._dims(shapes.get(operands[0], "")) if operands else ()
     kernel = hlo._dims(shapes.get(operands[1], "")) if len(operands) > 1 else ()
-    if not labels or len(labels.group(1)) != len(kernel):
+    result = hlo._dims(op.shape)
+    if not labels or len(labels.group(2)) != len(kernel) or len(labels.group(1)) != len(lhs) \
+            or len(labels.group(3)) != len(result):
         return 0.0
-    k = math.prod(d for d, label in zip(kernel, labels.group(1)) if label == "i")
+    lhs_l, kernel_l, out_l = labels.groups()
+    k = math.prod(d for d, label in zip(kernel, kernel_l) if label == "i")   # input features per group
+    spatial = sorted(c for c in kernel_l if c.isdigit())
     window = re.search(r"window=\{([^}]*)\}", op.line)
-    sizes = [int(v) for v in re.findall(r"\d+", re.search(r"size=([\dx]+)", window.group(1)).group(1))] if window else []
-    dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1)) if window else None
-    dilations = [int(v) for v in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
-    k *= math.prod(-(-size // d) for size, d in zip(sizes, dilations))   # taps that land on the input, not its holes
-    groups = re.search(r"feature_group_count=(\d+)", op.line)
-    return 2.0 * out * k / (int(groups.group(1)) if groups else 1)
+    text = window.group(1) if window else ""
+    n = len(spatial)
+    sizes = _window(text, "size", n, 1)
+    strides, lhs_dil, rhs_dil = (_window(text, key, n, 1) for key in ("stride", "lhs_dilate", "rhs_dilate"))
+    pads = re.search(r"\bpad=([\d_x-]+)", text)
+    pad_lo = [int(v.split("_")[0]) for v in pads.group(1).split("x")] if pads else [0] * n
+    pairs = per_output = 1
+    for i, d in enumerate(spatial):
+        in_size, out_size = lhs[lhs_l.index(d)], result[out_l.index(d)]
+        pairs *= _valid_taps(in_size, out_size, sizes[i], strides[i], pad_lo[i], lhs_dil[i], rhs_dil[i])
+        per_output *= out_size
+    return 2.0 * out / max(per_output, 1) * pairs * k
 
 
 def fused_flops(comp: str, comps: dict, seen=None) -> float:
@@ -216,9 +265,11 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
             if opcode in CONTAINERS or opcode.endswith("-done"):
                 continue
             if opcode == "custom-call" and "tpu_custom_call" in op.line:
-                declared = kernel_cost(op.line)
+                declared, basis = kernel_cost(op.line), "CostEstimate"
+                if declared is None:
+                    declared, basis = splash_cost(op, kernel_name(op)), "lingpack's splash estimate"
                 flops, bytes_ = declared if declared else (0.0, 0.0)
-                basis = "CostEstimate" if declared else "none declared"
+                basis = basis if declared else "none declared"
                 name = "kernel " + kernel_name(op)
             else:
                 callee = re.search(r"calls=%?([\w.\-]+)", op.line)

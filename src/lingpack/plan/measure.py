@@ -168,14 +168,20 @@ def extrapolate(a, b, at_a: int, at_b: int, at: int):
 
 
 def remat_flops(model_cfg, seq_len: int, tokens_per_device: float) -> float:
-    """The forward recompute a remat policy adds, analytic: with `nothing_saveable` each layer's forward runs
-    again in the backward, a third of its training FLOPs (the output heads, main and MTP, are not rematted).
-    Other policies save some of the forward: not counted (0)."""
+    """The forward recompute a step adds, analytic: with `nothing_saveable` each layer's forward runs again in
+    the backward, a third of its training FLOPs (other policies save some of the forward: not counted); the
+    vocabulary-chunked heads (main and MTP, `vocab_chunk_size`) recompute their logits in the backward
+    (models/head.py), 2 x vocab x width per token each, whatever the policy."""
     from lingpack.train import flops as flops_lib
-    if not getattr(model_cfg, "remat", False) or getattr(model_cfg, "remat_policy", "") != "nothing_saveable":
+    if not hasattr(model_cfg, "vocab_size"):
         return 0.0
-    head = 6.0 * model_cfg.vocab_size * model_cfg.emb_dim * (1 + model_cfg.mtp_num_layers)
-    return (flops_lib.flops_per_token(model_cfg, seq_len) - head) / 3 * tokens_per_device
+    heads = 1 + getattr(model_cfg, "mtp_num_layers", 0)
+    chunked = getattr(model_cfg, "vocab_chunk_size", 0)
+    recompute = 2.0 * model_cfg.vocab_size * model_cfg.emb_dim * heads if chunked else 0.0
+    if getattr(model_cfg, "remat", False) and getattr(model_cfg, "remat_policy", "") == "nothing_saveable":
+        head = 6.0 * model_cfg.vocab_size * model_cfg.emb_dim * heads
+        recompute += (flops_lib.flops_per_token(model_cfg, seq_len) - head) / 3
+    return recompute * tokens_per_device
 
 
 def describe(model_cfg) -> str:

@@ -163,7 +163,8 @@ def executed(hlo: str, branch_weights=None) -> tuple[list[Executed], int]:
         for op in comps.get(comp, []):
             found.append(Executed(op, times, fused, shapes[comp], comp))
             if op.opcode == "while":
-                expected = branch_weights(op, op_name(op.line)) if branch_weights else None   # [n]: the loop is taken n times
+                # [n]: the loop is taken n times
+                expected = branch_weights(op, op_name(op.line)) if branch_weights else None
                 trip = expected[0] if expected and len(expected) == 1 else trip_count(op, comps)
                 unknown[0] += trip is None
                 body = re.search(r"body=%?([\w.\-]+)", op.line).group(1)

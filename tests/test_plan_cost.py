@@ -2,8 +2,6 @@
 or from XLA:TPU itself: a matmul chain's FLOPs and its time near peak, a fused elementwise program's bytes, a
 loop-free program against XLA's `optimal_seconds`, a collective's bytes over its ICI links, and a small
 Ling3 step's compiled FLOPs against train/flops.py."""
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,8 +116,7 @@ def test_the_layer_stacks_mixer_cond_is_weighed_by_its_named_scope_on_xla_tpu(sm
     comps, _ = hlo._computations(text)
     mixers = {op.name for ops in comps.values() for op in ops if op.opcode == "conditional" and any(
         "stack_mixer/cond/branch_" in hlo.op_name(inner.line)
-        for branch in re.findall(r"%([\w.\-]+)", op.line.split("branch_computations=")[-1].split("}")[0])
-        for inner in comps.get(branch, []))}
+        for branch in hlo._branches(op, None, comps)[0] for inner in comps.get(branch, []))}
     assert len(mixers) >= 2 and set(hits) >= mixers, f"mixer conds {sorted(mixers)}, weighed {hits}"
 
 
@@ -148,6 +145,9 @@ def test_a_convolution_counts_only_the_taps_that_land_on_its_input():
     padded = lambda x, w: jax.lax.conv_general_dilated(x, w, (1,), [(15, 15)])
     y, k = jnp.ones((2, 4, 10)), jnp.ones((3, 4, 3))
     same = lambda y, k: jax.lax.conv_general_dilated(y, k, (1,), [(1, 1)])   # the edge taps of 2 outputs fall off
-    for f, args, macs in ((padded, (x, w), 8 * 3 * 16 * 4), (same, (y, k), 2 * 3 * 4 * (10 * 3 - 2))):
+    d = jnp.ones((4, 1, 3))   # depthwise (the short convolution's form): one input feature per output feature
+    depthwise = lambda y, d: jax.lax.conv_general_dilated(y, d, (1,), "VALID", feature_group_count=4)
+    for f, args, macs in ((padded, (x, w), 8 * 3 * 16 * 4), (same, (y, k), 2 * 3 * 4 * (10 * 3 - 2)),
+                          (depthwise, (y, d), 2 * 4 * 8 * 3)):
         comps, entry = hlo._computations(jax.jit(f).lower(*args).compile().as_text())
         assert cost.fused_flops(entry, comps) == 2 * macs

@@ -44,6 +44,27 @@ def test_the_traffic_of_a_fused_elementwise_program():
     assert planned["roofline_s"] <= planned["step_s"] < 1.5 * planned["roofline_s"]
 
 
+def test_an_uninitialised_buffer_costs_nothing_and_the_cross_entropy_is_the_heads():
+    """`lax.empty` (XLA:TPU's AllocateBuffer, here kept unfused as a ragged all-to-all's output buffer is) costs
+    nothing, where a zero fill of the same [4096, 4096] f32 buffer costs at least its bytes over HBM bandwidth;
+    an instruction under models/head.py's cross-entropy scope is the head's."""
+    n = 4096
+
+    def fill(empty):
+        def f(x):
+            with jax.named_scope("head_xent"):
+                buf = jax.lax.empty((n, n), F32) if empty else jnp.zeros((n, n), F32)
+                return jax.lax.dynamic_update_slice(jax.lax.optimization_barrier(buf), x, (0, 0))
+        return f
+
+    (chip, zeros), (_, empty) = (compile_on("v5p", fill(e), ((8, n), F32)) for e in (False, True))
+    assert 'custom_call_target="AllocateBuffer"' in empty.as_text()
+    filled, allocated = (cost.program_cost(c.as_text(), chip) for c in (zeros, empty))
+    assert filled["step_s"] >= n * n * 4 / chip.hbm_bw
+    assert allocated["step_s"] < filled["step_s"] / 20
+    assert filled["by_part"]["head"] == pytest.approx(filled["step_s"]), filled["by_part"]
+
+
 @pytest.mark.slow   # as above, at 8192
 def test_a_loop_free_program_is_within_10_percent_of_xla_tpus_optimal_seconds():
     """An 8192-wide layer, tanh(x @ w + b), on one v6e: XLA:TPU's own `optimal_seconds` for the whole program

@@ -7,13 +7,15 @@
   all-to-alls, no all-gather of a whole [E, D, I] expert tensor and no all-reduce of an [N*k, D] buffer.
 - Capacity-sized receive buffers (`moe.expert_parallel_capacity`): both exchanges (`ragged`, on CPU its
   stand-in, and `dense`) equal one device for balanced and skewed routing; the skewed one takes the overflow
-  rounds the counts call for, and the two exchanges agree with each other.
+  rounds the counts call for, and the two exchanges agree with each other; exchange buffers that start as
+  NaN (standing in for uninitialised memory) change nothing; with Megablox they reach the experts unmasked.
 - Traced for TPU and GPU the same layer lowers with XLA's ragged all-to-all (jax.export).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -153,8 +155,9 @@ def test_ragged_all_to_all_on_accelerators():
     for platform in ("tpu", "cuda"):
         with backend.target(platform):
             text = jax.export.export(fn, platforms=[platform], disabled_checks=waived)(*specs).mlir_module()
-        # forward: 2 in the first round, 2 in the overflow rounds' loop; the backward's the same again
-        assert text.count(f"custom_call @{expert.RAGGED_ALL_TO_ALL}") == 8, platform
+        # forward: 2 in the first round, 2 in the overflow rounds' loop; backward: 2, and 3 in its loop (inputs
+        # and cotangents travel apart there)
+        assert text.count(f"custom_call @{expert.RAGGED_ALL_TO_ALL}") == 9, platform
     assert expert.RAGGED_ALL_TO_ALL not in fn.lower(*args).as_text()
 
 
@@ -168,9 +171,12 @@ def _rounds_wanted(cfg, load_E, tokens_per_device: int, R: int, exchange: str) -
 
 @pytest.mark.parametrize("exchange", ["ragged", "dense"])
 @pytest.mark.parametrize("skew", [None, 5], ids=["balanced", "skewed"])
-def test_capacity_buffers_equal_one_device(exchange, skew):
+def test_capacity_buffers_equal_one_device(exchange, skew, monkeypatch):
     """EP=8 with receive buffers of 1.25x the balanced load: outputs and gradients equal one device; all
-    tokens sent to one expert overflow and take further rounds, every row still computed."""
+    tokens sent to one expert overflow and take further rounds, every row still computed. The exchange
+    buffers start as NaN, where TPU's `lax.empty` leaves whatever memory held (CPU's is zeros): no row that
+    was not received or written reaches an output or a gradient."""
+    monkeypatch.setattr(expert, "_scratch", lambda shape, dtype: jnp.full(shape, jnp.nan, dtype))
     cfg = dataclasses.replace(CFG, expert_parallel_exchange=exchange, expert_parallel_capacity=1.25)
     got, _, _ = _layer_grads(cfg, ParallelConfig(data=1, expert=8), padding=0, skew=skew)
     ref = _layer_grads(cfg, None, padding=0, skew=skew)[0]
@@ -183,6 +189,21 @@ def test_capacity_buffers_equal_one_device(exchange, skew):
         assert rounds > 1, rounds
     if exchange == "ragged":
         assert rounds == _rounds_wanted(cfg, load_E, B * T // 8, 8, exchange), (rounds, load_E)
+
+
+@pytest.mark.parametrize("skew", [None, 5], ids=["balanced", "skewed"])
+def test_megablox_takes_the_receive_buffers_unmasked(skew, monkeypatch):
+    """With Megablox (interpret mode here) the receive buffers' free rows reach the experts unmasked, NaN
+    standing in for uninitialised memory, yet outputs and gradients equal one device (tiled) exactly as
+    the masked path does: gmm keeps rows apart, tgmm selects the group rows."""
+    monkeypatch.setattr(expert, "_scratch", lambda shape, dtype: jnp.full(shape, jnp.nan, dtype))
+    cfg = dataclasses.replace(CFG, grouped_matmul="megablox")
+    got, fn, args = _layer_grads(cfg, ParallelConfig(data=1, expert=8), padding=0, skew=skew)
+    exchange = backend.expert_exchange(jax.devices()[:8])   # CPU: the dense one
+    rows = expert.buffer_rows(B * T // 8 * CFG.top_k, 8, 1, CFG.top_k, CFG.expert_parallel_capacity, exchange)[1]
+    selects = re.findall(r"stablehlo\.select [^:\n]*: tensor<(\d+)x\d+xi1>", fn.lower(*args).as_text())
+    assert selects and str(rows) not in selects, (rows, selects)   # no mask over a receive buffer's rows
+    _assert_equal(got, _layer_grads(dataclasses.replace(CFG, grouped_matmul="tiled"), None, padding=0, skew=skew)[0])
 
 
 @pytest.mark.slow   # both exchanges equal one device in the default suite's skewed case already

@@ -25,6 +25,7 @@ carries each token's chosen experts, router logits and the bias used (the parity
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -139,11 +140,14 @@ def tiled_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: jax.A
 
 
 def megablox_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: jax.Array, *,
-                            preferred_element_type=None) -> jax.Array:
+                            preferred_element_type=None, free_rows: str = "zero") -> jax.Array:
     """`ragged_dot` semantics by Megablox's `gmm` (jax.experimental.pallas.ops.tpu.megablox; its own VJP).
 
     Rows are padded to whole row tiles; rows past sum(group_sizes) (padding, or a receive buffer's free space),
-    which gmm leaves unwritten, come back zero. A Mosaic kernel: interpret mode on CPU (tests), a
+    which gmm leaves unwritten, come back zero. `free_rows="any"` skips those masks (a pass over x, the result
+    and their gradients each): free rows of x may then hold anything, even NaN, and those of the result and of
+    x's gradient are unspecified. Rows stay independent and tgmm selects only group rows, so the other rows
+    and the weight gradient are unchanged. A Mosaic kernel: interpret mode on CPU (tests), a
     ConfigError on GPU (backend.pallas_interpret). Mosaic refuses bf16 operands under
     `jax_default_matmul_precision=highest` (an fp32 pass); bf16 runs at the default precision.
     """
@@ -159,13 +163,50 @@ def megablox_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: ja
     tk, tn = (tile, tile) if tile else (D, I)   # interpret mode: any block
     tm = min(MEGABLOX_TILES[0], -(-M // 128) * 128)
     padded = -(-M // tm) * tm
+    if free_rows not in ("zero", "any"):
+        raise ValueError(f"free_rows must be 'zero' or 'any'; got {free_rows!r}")
     used_M1 = (jnp.arange(M) < jnp.sum(group_sizes_E))[:, None]
+    mask = (lambda a: jnp.where(used_M1, a, jnp.zeros((), a.dtype))) if free_rows == "zero" else (lambda a: a)
     # the input masked too: its gradient, which gmm's backward leaves unwritten past the groups, is zero there
-    x_pad = jnp.pad(jnp.where(used_M1, x_MD, jnp.zeros((), x_MD.dtype)), ((0, padded - M), (0, 0)))
+    x_pad = jnp.pad(mask(x_MD), ((0, padded - M), (0, 0)))
     out_dtype = preferred_element_type or x_MD.dtype
     y = megablox.gmm(x_pad, w_EDI.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), out_dtype,
                      (tm, tk, tn), None, None, False, interpret)[:M]
-    return jnp.where(used_M1, y, jnp.zeros((), y.dtype))
+    return mask(y)
+
+
+@jax.custom_vjp
+def sort_rows(x_ND: jax.Array, order_M: jax.Array, inverse_M: jax.Array) -> jax.Array:
+    """x_ND[order_M // k]: each of the N rows k times (k = M / N), in the order of the permutation `order_M` of
+    the N*k (row, copy) pairs, whose inverse is `inverse_M`. Its backward is a gather too (XLA transposes a
+    gather into a scatter-add): copy j of row n took place inverse_M[n*k + j]."""
+    return x_ND[order_M // (order_M.shape[0] // x_ND.shape[0])]
+
+
+def _sort_rows_fwd(x_ND, order_M, inverse_M):
+    # residuals: the inverse, and x's row count and dtype as an empty [N, 0] array
+    return sort_rows(x_ND, order_M, inverse_M), (inverse_M, x_ND[:, :0])
+
+
+def _sort_rows_bwd(res, g_MD):
+    inverse_M, like_N0 = res
+    (M, D), N = g_MD.shape, like_N0.shape[0]
+    # the k copies' cotangents summed in fp32 at least
+    sums_ND = g_MD[inverse_M].reshape(N, M // N, D).astype(at_least_fp32(g_MD.dtype)).sum(1)
+    return sums_ND.astype(like_N0.dtype), None, None
+
+
+sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
+
+
+@jax.custom_vjp
+def permute_rows(x_MD: jax.Array, to_M: jax.Array, back_M: jax.Array) -> jax.Array:
+    """x_MD[to_M] for a permutation `to_M` whose inverse is `back_M`: the backward gathers by `back_M` (where
+    XLA's transpose of a gather scatter-adds into a zero buffer)."""
+    return x_MD[to_M]
+
+
+permute_rows.defvjp(lambda x, to, back: (x[to], back), lambda back, g: (g[back], None, None))
 
 
 def _token_mapping(B: int, T: int):
@@ -292,7 +333,8 @@ class MoE(nnx.Module):
         k, E = idx_NK.shape[1], self.cfg.num_experts
         flat_expert = idx_NK.reshape(-1)
         order = jnp.argsort(flat_expert, stable=True)
-        x_sorted = x_ND[order // k].astype(self.dtype)
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=order.dtype))
+        x_sorted = sort_rows(x_ND, order, inverse).astype(self.dtype)
         group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
         choice = self.cfg.grouped_matmul
         if choice == "auto":   # Megablox where it tiles the widths, XLA:TPU's ragged_dot for narrower ones
@@ -300,19 +342,26 @@ class MoE(nnx.Module):
             choice = "ragged_dot" if choice == "megablox" and megablox_tile(D, self.cfg.expert_dim) is None else choice
         grouped = {"tiled": tiled_grouped_matmul, "megablox": megablox_grouped_matmul,
                    "ragged_dot": jax.lax.ragged_dot}[choice]
+        # under `ep` a receive buffer's free rows are never read back: Megablox may leave them as they come
+        unmasked = bool(ep) and choice == "megablox"
+        grouped = functools.partial(grouped, free_rows="any") if unmasked else grouped
         wide = at_least_fp32(self.dtype)  # fp32 accumulation for bf16 (float64 for float64)
 
         def experts_fn(w, x_MD, sizes):   # the experts held here (all E, or this device's E / EP under `ep`)
-            mm = lambda a, w_KF, name: tag(grouped(a, w_KF.astype(self.dtype), sizes, preferred_element_type=wide), name)
-            h = (jax.nn.silu(mm(x_MD, w[0], "mlpwi_0")) * mm(x_MD, w[1], "mlpwi_1")).astype(self.dtype)
-            return mm(h, w[2], "mlpwo").astype(self.dtype)   # outputs in the compute dtype (they travel back under `ep`)
+            mm = lambda a, w_KF, name, out: tag(grouped(a, w_KF.astype(self.dtype), sizes, preferred_element_type=out),
+                                                name)
+            h = (jax.nn.silu(mm(x_MD, w[0], "mlpwi_0", wide)) * mm(x_MD, w[1], "mlpwi_1", wide)).astype(self.dtype)
+            # accumulated in fp32 inside the matmul, rounded once into the compute dtype: the outputs travel back in
+            # it under `ep`, and the cotangent stays in it (no fp32 copy of the receive buffer in the backward)
+            return mm(h, w[2], "mlpwo", self.dtype)
 
         if ep:
             y_sorted, rounds = expert.dispatch(x_sorted, group_sizes, experts_fn, (wi_gate, wi_up, wo), axis_name=ep,
-                                               top_k=k, capacity=self.cfg.expert_parallel_capacity, exchange=exchange)
+                                               top_k=k, capacity=self.cfg.expert_parallel_capacity, exchange=exchange,
+                                               masked=not unmasked)
         else:
             y_sorted, rounds = experts_fn((wi_gate, wi_up, wo), x_sorted, group_sizes), jnp.ones((), jnp.int32)
-        y_NKD = jnp.zeros((N * k, D), self.dtype).at[order].set(y_sorted).reshape(N, k, D)
+        y_NKD = permute_rows(y_sorted, inverse, order).reshape(N, k, D)
         # the weighted sum over the top-k accumulates in fp32 (float64 for float64)
         y_ND = jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(wide), preferred_element_type=wide)
         return y_ND.astype(self.dtype), rounds

@@ -25,6 +25,10 @@ lies in [r w, (r + 1) w).
 The first round is always taken; the others (a `while_loop`, skipped unless some device overflows: every
 device reads the same counts table, so all take the same number) only when routing is that skewed. The
 rounds count comes back beside the outputs (the MoE's `dispatch_rounds` statistic).
+Buffers are never zero-filled (`_scratch`: `lax.empty`, uninitialised on TPU and GPU, zeros on CPU). The
+rows a round does not receive are masked to zero around `experts_fn` (`_on_received`; `masked=False` where the
+experts never let them reach another row or a gradient), and every row of the [M, ...] outputs is written by
+some round.
 Each row visits the same expert with the same weights as on one device, so outputs agree with one device
 exactly and gradients up to the summation order of the expert-weight gradients. The backward is written out
 (`jax.custom_vjp`): round 0 keeps its expert residuals, a further round recomputes its exchange and experts
@@ -97,6 +101,23 @@ def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
     rows = jax.lax.all_to_all(rows, axis_name, 0, 0)        # [R senders, cap, ...]
     dst_RC = jax.lax.all_to_all(dst_RC, axis_name, 0, 0)
     return output.at[dst_RC.reshape(-1)].set(rows.reshape(R * cap, *operand.shape[1:]), mode="drop")
+
+
+def _scratch(shape, dtype):
+    """A buffer that is written before it is read, or masked: no fill on TPU or GPU (a fill of a row-contiguous
+    ragged all-to-all buffer costs XLA:TPU 3 ms per 240 MiB), zeros on CPU."""
+    return jax.lax.empty(shape, dtype)
+
+
+def _on_received(experts_fn, masked: bool, params, x_RD, sizes_L):
+    """`experts_fn` on a receive buffer whose rows past sum(sizes_L) were never written: they enter as zeros and
+    leave as zeros (so their cotangents, also unwritten in the backward, are masked by this where's VJP);
+    unmasked where `experts_fn` keeps them from every other row's result and from the parameter gradients."""
+    if not masked:
+        return experts_fn(params, x_RD, sizes_L)
+    live_R1 = (jnp.arange(x_RD.shape[0]) < jnp.sum(sizes_L))[:, None]
+    y_RF = experts_fn(params, jnp.where(live_R1, x_RD, jnp.zeros((), x_RD.dtype)), sizes_L)
+    return jnp.where(live_R1, y_RF, jnp.zeros((), y_RF.dtype))
 
 
 def _move(operand, output, slices, *, axis_name, ragged: bool, pair_rows: int):
@@ -173,16 +194,17 @@ def _dispatch(experts_fn, params, x_MD, counts_SE, static):
 
 
 def _forward(experts_fn, params, x_MD, counts_SE, static):
-    axis_name, top_k, capacity, exchange = static
+    axis_name, top_k, capacity, exchange, masked = static
     plan = _Plan(counts_SE, x_MD.shape[0], top_k, capacity, exchange, axis_name)
     move = functools.partial(_move, axis_name=axis_name, ragged=exchange == "ragged", pair_rows=plan.pair_rows)
-    buf = jnp.zeros((plan.rows, x_MD.shape[1]), x_MD.dtype)
-    out_D = jax.eval_shape(experts_fn, params, buf, jnp.zeros((plan.L,), jnp.int32)).shape[1]
+    experts_fn = functools.partial(_on_received, experts_fn, masked)
+    rows_shape = jax.ShapeDtypeStruct((plan.rows, x_MD.shape[1]), x_MD.dtype)
+    out_D = jax.eval_shape(experts_fn, params, rows_shape, jnp.zeros((plan.L,), jnp.int32)).shape[1]
     kept = []
 
     def one_round(r, y_MD, keep=False):
         forward, backward, sizes_L = plan.round(r)
-        x_buf = move(x_MD, buf, forward)
+        x_buf = move(x_MD, _scratch(rows_shape.shape, x_MD.dtype), forward)
         if keep:   # round 0's residuals serve the backward (no recompute in the common one-round case)
             y_buf, vjp = jax.vjp(lambda p, x: experts_fn(p, x, sizes_L), params, x_buf)
             kept.append(vjp)
@@ -191,7 +213,7 @@ def _forward(experts_fn, params, x_MD, counts_SE, static):
         return move(y_buf.astype(x_MD.dtype), y_MD, backward)
 
     y_MD = _rounds_loop(lambda y: one_round(0, y, keep=True), one_round, plan.rounds,
-                        jnp.zeros((x_MD.shape[0], out_D), x_MD.dtype))
+                        _scratch((x_MD.shape[0], out_D), x_MD.dtype))
     return y_MD, (params, x_MD, counts_SE, kept[0])
 
 
@@ -200,8 +222,9 @@ def _dispatch_fwd(experts_fn, params, x_MD, counts_SE, static):
 
 
 def _dispatch_bwd(experts_fn, static, residuals, dy_MD):
-    axis_name, top_k, capacity, exchange = static
+    axis_name, top_k, capacity, exchange, masked = static
     params, x_MD, counts_SE, vjp0 = residuals
+    experts_fn = functools.partial(_on_received, experts_fn, masked)
     plan = _Plan(counts_SE, x_MD.shape[0], top_k, capacity, exchange, axis_name)
     move = functools.partial(_move, axis_name=axis_name, ragged=exchange == "ragged", pair_rows=plan.pair_rows)
     D, out_D = x_MD.shape[1], dy_MD.shape[1]
@@ -210,19 +233,22 @@ def _dispatch_bwd(experts_fn, static, residuals, dy_MD):
     def first(carry):
         dx_MD, dp = carry
         forward, backward, _ = plan.round(0)
-        dp_r, dx_buf = vjp0(move(dy_MD, jnp.zeros((plan.rows, out_D), dy_MD.dtype), forward))
+        dp_r, dx_buf = vjp0(move(dy_MD, _scratch((plan.rows, out_D), dy_MD.dtype), forward))
         return move(dx_buf.astype(x_MD.dtype), dx_MD, backward), jax.tree.map(jnp.add, dp, dp_r)
 
-    def rest(r, carry):   # an overflow round: exchange its inputs and cotangents together, recompute its experts
+    def rest(r, carry):   # an overflow round: exchange its inputs and cotangents, recompute its experts
         dx_MD, dp = carry
         forward, backward, sizes_L = plan.round(r)
-        both = move(jnp.concatenate([x_MD, dy_MD], 1), jnp.zeros((plan.rows, D + out_D), x_MD.dtype), forward)
-        _, vjp = jax.vjp(lambda p, x: experts_fn(p, x, sizes_L), params, both[:, :D])
-        dp_r, dx_buf = vjp(both[:, D:])
+        # two exchanges, not one of [x, dy]: XLA hoists a loop-invariant concatenation out of the (usually
+        # never taken) loop, into every step
+        x_buf = move(x_MD, _scratch((plan.rows, D), x_MD.dtype), forward)
+        dy_buf = move(dy_MD, _scratch((plan.rows, out_D), dy_MD.dtype), forward)
+        _, vjp = jax.vjp(lambda p, x: experts_fn(p, x, sizes_L), params, x_buf)
+        dp_r, dx_buf = vjp(dy_buf)
         return move(dx_buf.astype(x_MD.dtype), dx_MD, backward), jax.tree.map(jnp.add, dp, dp_r)
 
-    zeros = (jnp.zeros_like(x_MD), jax.tree.map(jnp.zeros_like, params))
-    dx_MD, dparams = _rounds_loop(first, rest, plan.rounds, zeros)
+    start = (_scratch(x_MD.shape, x_MD.dtype), jax.tree.map(jnp.zeros_like, params))   # every dx row is written
+    dx_MD, dparams = _rounds_loop(first, rest, plan.rounds, start)
     return dparams, dx_MD, None
 
 
@@ -230,20 +256,22 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, params, *, axis_name, top_k: int = 1,
-             capacity: float = 1.25, exchange: str = "ragged") -> tuple[jax.Array, jax.Array]:
+             capacity: float = 1.25, exchange: str = "ragged", masked: bool = True) -> tuple[jax.Array, jax.Array]:
     """(expert outputs of the rows `x_MD`, in x's dtype and order; rounds taken, int32) where `x_MD` is
     sorted by global expert (`sizes_E` rows each) and the experts live on the devices of `axis_name` (the EP
     group; call inside a shard_map over it).
 
     `experts_fn(params, x_LD, group_sizes_L)` runs this device's E / R local experts (`params`, a pytree)
-    on rows sorted by local expert (rows past sum(group_sizes_L) are buffer space, zero: their results are
-    never sent back). `top_k`: the rows are M / top_k tokens' distinct experts. `capacity`: receive buffers
-    hold `capacity` times the balanced load (module docstring); `exchange`: "ragged" or "dense".
+    on rows sorted by local expert; rows past sum(group_sizes_L) are buffer space, never sent back. `masked`:
+    they enter `experts_fn` as zeros and its results there are zeroed; False hands them over as they are
+    (any value, NaN included) for an `experts_fn` whose other rows and parameter gradients never read them
+    (Megablox, models/moe.py). `top_k`: the rows are M / top_k tokens' distinct experts. `capacity`: receive
+    buffers hold `capacity` times the balanced load (module docstring); `exchange`: "ragged" or "dense".
     """
     if exchange not in EXCHANGES:
         raise ConfigError(f"expert exchange {exchange!r} is not one of {EXCHANGES}")
     counts_SE = jax.lax.all_gather(sizes_E.astype(jnp.int32), axis_name)   # [R senders, E]: row s = s's counts
-    static = (axis_name, top_k, float(capacity), exchange)
+    static = (axis_name, top_k, float(capacity), exchange, bool(masked))
     rounds = _Plan(counts_SE, x_MD.shape[0], top_k, capacity, exchange, axis_name).rounds
     return _dispatch(experts_fn, params, x_MD, counts_SE, static), rounds.astype(jnp.int32)
 

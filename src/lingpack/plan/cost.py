@@ -12,6 +12,7 @@ Per top-level instruction of the compiled HLO (`compiled.as_text()`, after fusio
                       replica group spans (2 directions per dimension); an async `-start`/`-done` pair is
                       hidden behind the compute the schedule places between them, only the rest is exposed
   copy-start/done     HBM <-> on-chip memory prefetches: bytes / HBM bandwidth, hidden like a collective
+  AllocateBuffer      nothing: an uninitialised buffer (`jax.lax.empty`), no memory traffic
 The step is the sum; the roofline of the same instructions is kept beside it (`roofline_s`) as the
 cross-check. Parts come from JAX's name stacks (`op_name`): the model's named scopes (moe, kda, mla,
 head, mtp, embed); outside the forward and backward, the optimizer.
@@ -30,6 +31,8 @@ from lingpack.plan import hlo
 
 INT64_MAX = 2 ** 63 - 1
 PARTS = ("moe", "kda", "mla", "head", "mtp", "embed")   # named scopes, most specific first
+SCOPE_PARTS = {"head_xent": "head"}   # models/head.py's cross-entropy: the head's matmuls run in the loss
+ALLOCATE = 'custom_call_target="AllocateBuffer"'   # `jax.lax.empty` on TPU: no instruction runs
 CONTAINERS = hlo.NO_TRAFFIC | {"async-start", "async-done", "call-start", "call-done"}
 
 
@@ -48,7 +51,7 @@ def part(line: str) -> str | None:
     name = hlo.op_name(line)
     if not name:
         return None
-    scopes = re.split(r"[/()]", name)
+    scopes = [SCOPE_PARTS.get(s, s) for s in re.split(r"[/()]", name)]
     for p in PARTS:
         if any(s == p or s.startswith(p) and s[len(p):].isdigit() for s in scopes):
             return p
@@ -262,7 +265,7 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
                 rows[key] = dict(op=op, kind="copy-start", part=parts[op.name], flops=0.0, bytes=seconds * chip.hbm_bw,
                                  seconds=seconds, roofline_s=seconds, xla_s=None, basis="HBM")
                 continue
-            if opcode in CONTAINERS or opcode.endswith("-done"):
+            if opcode in CONTAINERS or opcode.endswith("-done") or ALLOCATE in op.line:
                 continue
             if opcode == "custom-call" and "tpu_custom_call" in op.line:
                 declared, basis = kernel_cost(op.line), "CostEstimate"

@@ -219,3 +219,28 @@ def test_layer_stack_matmul_flops_equal_the_unrolled_models():
         assert bool(hits) == scan, "the layer stack's mixer cond is found by its named scope"
     assert flops[True][0] == pytest.approx(flops[False][0], rel=0.03)
     assert flops[True][1] > 1.2 * flops[False][0]
+
+
+def test_an_unknown_remat_policy_is_one_line():
+    with pytest.raises(ConfigError, match="plan.remat_policies: \\['fastest'\\] not among"):
+        plan.PlanConfig(remat_policies=("fastest",))
+
+
+@pytest.mark.slow   # two XLA:CPU compiles of a small Ling3 (40 s here)
+def test_remat_policies_are_planned_beside_the_configured_one_and_ranked():
+    """`plan.remat_policies`: the configured mesh is planned again under each policy; the one that saves every
+    projection (`minimal`) recomputes less of the forward (train/flops.py) than `nothing_saveable` and holds
+    more per device; the recommendation is the cheapest plan that fits, named with its policy."""
+    rc = plan.run_config(plan.compose(["model=ling3_tiny", "model.num_layers=2", "data.seq_length=64",
+                                       "data.global_batch_size=8", "parallel.data=8"],
+                                      plan.find_conf_dir(str(ROOT / "conf"))))
+    rc = dataclasses.replace(rc, model=dataclasses.replace(rc.model, remat=True, remat_policy="nothing_saveable"))
+    out = plan.plan(rc, plan.PlanConfig(devices=8, remat_policies=("minimal",), export=False, compiler="cpu"),
+                    log=lambda m: None)
+    full, minimal = out["candidates"]
+    assert (full["remat_policy"], minimal["remat_policy"]) == ("nothing_saveable", "minimal")
+    assert minimal["per_device_bytes"] > full["per_device_bytes"]
+    flops = lambda policy: plan_measure.remat_flops(dataclasses.replace(rc.model, remat_policy=policy), 64, 64)
+    assert out["step_flops"]["remat"] == flops("nothing_saveable") > flops("minimal")
+    best = min((c for c in out["candidates"] if c["fits"]), key=lambda c: c["est_step_s"])
+    assert out["recommended"] == f"{best['mesh']}, remat {best['remat_policy']}"

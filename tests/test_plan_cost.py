@@ -2,6 +2,8 @@
 or from XLA:TPU itself: a matmul chain's FLOPs and its time near peak, a fused elementwise program's bytes, a
 loop-free program against XLA's `optimal_seconds`, a collective's bytes over its ICI links, and a small
 Ling3 step's compiled FLOPs against train/flops.py."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,3 +174,26 @@ def test_a_convolution_counts_only_the_taps_that_land_on_its_input():
                           (depthwise, (y, d), 2 * 4 * 8 * 3)):
         comps, entry = hlo._computations(jax.jit(f).lower(*args).compile().as_text())
         assert cost.fused_flops(entry, comps) == 2 * macs
+
+
+def test_megablox_on_a_receive_buffer_is_costed_by_the_rows_it_runs():
+    """Megablox's gmm declares 2 m k n over every row of its input, but its grid visits only the routed rows'
+    tiles: on an expert-parallel receive buffer 1.25x a balanced load (the flagship's) the planner costs 0.8 of
+    the declaration (`measure.megablox_share`), and only Megablox's kernels."""
+    from lingpack import backend
+    from lingpack.models.moe import megablox_grouped_matmul
+    from lingpack.plan import cli, measure
+    rc = cli.run_config(cli.compose(["model=ling3_flagship", "parallel.data=1", "parallel.fsdp=8", "parallel.expert=8"],
+                                    cli.find_conf_dir("conf")))
+    devices = chips.tpu_devices(chips.chip("v5p"), 64)
+    share = measure.megablox_share(rc.model, rc.parallel, 8192, devices)
+    assert share("transpose(jvp(jit(tgmm)))") == share("jit(gmm)") == pytest.approx(65536 / 81920)
+    assert share("kda_segment_fwd") == 1.0
+    assert measure.megablox_share(rc.model, dataclasses.replace(rc.parallel, expert=1, fsdp=64), 8192, devices) is None
+    m, k, n, groups = 1024, 256, 256, jnp.array([300, 0, 500, 24], jnp.int32)
+    with backend.target("tpu"), jax.default_matmul_precision("default"):
+        chip, compiled = compile_on("v5p", lambda x, w: megablox_grouped_matmul(x, w, groups), ((m, k), BF16),
+                                    ((4, k, n), BF16))
+    whole, routed = (cost.program_cost(compiled.as_text(), chip, kernel_share=s)["flops_by_kind"]["kernel jit(gmm)"]
+                     for s in (None, share))
+    assert whole == 2 * m * k * n and routed == pytest.approx(0.8 * whole)

@@ -22,7 +22,10 @@ Per mesh (`lingpack.plan.measure` does the measuring):
                the compiled step, `fits` against the chip's HBM; FLOPs (train/flops.py's analytic count,
                XLA's cost analysis, the matmul FLOPs the HLO executes); collectives by kind (loop trip
                counts in); a roofline time and the MFU it implies.
-`plan.search=true` also plans other meshes of N devices and recommends the cheapest that fits.
+`plan.search=true` also plans other meshes of N devices and recommends the cheapest that fits;
+`plan.remat_policies=[minimal,save_moe_proj]` also plans the configured mesh under each of those
+`model.remat_policy` values (models/remat.py: each saves some projections instead of recomputing them) and
+recommends the cheapest of everything planned that fits.
 XLA:CPU assigns buffers and fuses differently from XLA:TPU / XLA:GPU: the compiled bytes are this
 program's temporaries as XLA:CPU plans them, an estimate; the state bytes are exact.
 """
@@ -53,6 +56,7 @@ class PlanConfig:
     compiler: str | None = None  # "tpu" (XLA:TPU via libtpu; the default for TPU chips) or "cpu" (the XLA:CPU twin)
     topology: str | None = None  # TPU slice shape, e.g. 4x4x4 (default: chips.TOPOLOGIES' standard one)
     save_hlo: str | None = None  # write the compiled program's HLO text there (the configured mesh's deepest compile)
+    remat_policies: tuple = ()   # also plan the configured mesh under each of these model.remat_policy values
 
     def __post_init__(self):
         if self.devices < 1:
@@ -63,6 +67,10 @@ class PlanConfig:
         chip = chips.chip(self.chip)
         if self.compiler not in (None, "tpu", "cpu"):
             raise ConfigError(f"plan.compiler={self.compiler!r}: choose tpu (XLA:TPU, TPU chips) or cpu (the XLA:CPU twin)")
+        from lingpack.models import remat
+        unknown = [p for p in self.remat_policies if p not in remat.POLICIES]
+        if unknown:
+            raise ConfigError(f"plan.remat_policies: {unknown} not among the policies {list(remat.POLICIES)}")
         if self.compiler == "tpu" and chip.platform != "tpu":
             raise ConfigError(f"plan.compiler=tpu compiles for TPU chips; {chip.name} is a GPU: drop plan.compiler "
                               "(GPUs are planned on the XLA:CPU twin: this JAX cannot compile for CUDA without a GPU)")
@@ -155,35 +163,39 @@ def plan(rc, cfg: PlanConfig, *, log=print) -> dict:
                               "initialised before the planner set the fake device count; run `python -m lingpack.plan` "
                               "in a fresh process")
     configured = configured_mesh(rc, cfg.devices, log)
-    meshes = [configured]
+    variants = [(configured, rc)]
     if cfg.search:
         base = rc if configured is rc.parallel else dataclasses.replace(rc, parallel=configured)
-        meshes += measure.candidate_meshes(base, cfg.devices, limit=cfg.search_max - 1)
+        variants += [(p, rc) for p in measure.candidate_meshes(base, cfg.devices, limit=cfg.search_max - 1)]
+    variants += [(configured, dataclasses.replace(rc, model=dataclasses.replace(rc.model, remat=True, remat_policy=p)))
+                 for p in cfg.remat_policies]
     results, findings = [], []
-    for parallel in meshes:
-        name = measure.mesh_name(parallel, cfg.devices)
+    for parallel, run in variants:
+        name = measure.mesh_name(parallel, cfg.devices) + (f", remat {run.model.remat_policy}" if run is not rc else "")
         log(f"plan: mesh {name} on {cfg.devices} x {chip.name} ({where}) ...")
         try:
-            results.append(measure.measure(rc, parallel, chip, devices[:cfg.devices], layers=cfg.layers,
+            results.append(measure.measure(run, parallel, chip, devices[:cfg.devices], layers=cfg.layers,
                                            export=cfg.export, compiler=compiler, log=log,
-                                           save_hlo=cfg.save_hlo if parallel is configured else None))
+                                           save_hlo=cfg.save_hlo if parallel is configured and run is rc else None))
         except measure.CompileFinding as err:   # the plan's finding: this mesh does not compile (or fit)
             log(f"plan: {name}: {err}")
             findings.append({"mesh": name, "finding": str(err)})
-            if parallel is configured and not cfg.search:
+            if len(variants) == 1:
                 raise
         except ConfigError as err:
-            if parallel is configured:
+            if parallel is configured and run is rc:
                 raise
             log(f"plan: skipped: {err}")
     if not results:
         raise ConfigError(f"no mesh compiled: {findings[0]['finding']}")
     best = min((r for r in results if r["fits"]), key=lambda r: r["est_step_s"], default=None)
     out = dict(results[0])
-    if cfg.search:
-        out["candidates"] = [{k: r[k] for k in ("mesh", "per_device_bytes", "fits", "est_step_s", "mfu_at_est")}
+    if len(variants) > 1:
+        keys = ("mesh", "remat_policy", "per_device_bytes", "fits", "est_step_s", "mfu_at_est")
+        out["candidates"] = [{k: r["config"][k] if k == "remat_policy" else r[k] for k in keys}
                              for r in results] + [dict(f, fits=False) for f in findings]
-        out["recommended"] = best["mesh"] if best else None
+        remat = f", remat {best['config']['remat_policy']}" if best and cfg.remat_policies else ""
+        out["recommended"] = best["mesh"] + remat if best else None
     return out
 
 
@@ -238,13 +250,13 @@ def table(result: dict) -> str:
         lines += [f"{verb}; {'Mosaic' if export['platform'] == 'tpu' else 'Triton'} kernels {calls or 'none'}"
                   + ("" if tpu else f", interpret-mode kernels {export['interpret_kernels'] or 'none'}")]
     if r.get("candidates"):
-        lines += ["", "| mesh | per device | fits | est. step | MFU |", "|---|---|---|---|---|"]
+        lines += ["", "| mesh | remat policy | per device | fits | est. step | MFU |", "|---|---|---|---|---|---|"]
         for c in r["candidates"]:
             if "finding" in c:
-                lines.append(f"| {c['mesh']} | - | no | {c['finding']} | - |")
+                lines.append(f"| {c['mesh']} | - | - | no | {c['finding']} | - |")
                 continue
-            lines.append(f"| {c['mesh']} | {gib(c['per_device_bytes'])} | {'yes' if c['fits'] else 'no'} | "
-                         f"{c['est_step_s'] * 1e3:.1f} ms | {c['mfu_at_est']:.1%} |")
+            lines.append(f"| {c['mesh']} | {c.get('remat_policy') or 'none'} | {gib(c['per_device_bytes'])} | "
+                         f"{'yes' if c['fits'] else 'no'} | {c['est_step_s'] * 1e3:.1f} ms | {c['mfu_at_est']:.1%} |")
         lines.append(f"recommended: {r['recommended'] or 'none fits'}")
     lines += ["", *("note: " + n for n in r["notes"])]
     return "\n".join(lines)

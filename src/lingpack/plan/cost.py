@@ -7,7 +7,9 @@ Per top-level instruction of the compiled HLO (`compiled.as_text()`, after fusio
                       INT64_MAX), the roofline max(FLOPs / peak, bytes at its boundary / HBM bandwidth)
   Mosaic kernel       a `tpu_custom_call`: the `pl.CostEstimate` its pallas_call declared (the custom call's
                       backend_config carries it), as the roofline of those FLOPs and bytes; JAX's splash
-                      kernels declare none: lingpack's analytic estimate of them (`splash_cost`)
+                      kernels declare none: lingpack's analytic estimate of them (`splash_cost`); times
+                      `kernel_share(name)` where a kernel's grid runs only part of what it declares
+                      (Megablox on an expert-parallel receive buffer: plan/measure.py `megablox_share`)
   collective          bytes one device sends (ring algorithms) over the ICI links of the torus dimensions its
                       replica group spans (2 directions per dimension); an async `-start`/`-done` pair is
                       hidden behind the compute the schedule places between them, only the rest is exposed
@@ -222,10 +224,11 @@ def link_bandwidth(group: list[int] | None, coords: list | None, chip) -> float:
     return 2 * dims * per_link
 
 
-def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=None) -> dict:
+def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=None, kernel_share=None) -> dict:
     """Step time of compiled TPU HLO `text` on `chip` (see the module docstring).
 
     coords: each device id's torus coordinates (`device.coords` of the mesh's devices in id order).
+    kernel_share: Mosaic kernel name -> the share of its declared CostEstimate one run does (default 1).
     """
     comps, entry = hlo._computations(text)
     own, exposed = {}, {}   # (computation, op name) -> seconds
@@ -273,6 +276,9 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
                     declared, basis = splash_cost(op, kernel_name(op)), "lingpack's splash estimate"
                 flops, bytes_ = declared if declared else (0.0, 0.0)
                 basis = basis if declared else "none declared"
+                share = kernel_share(kernel_name(op)) if kernel_share else 1.0
+                if share != 1.0:
+                    flops, bytes_, basis = flops * share, bytes_ * share, f"{basis} x {share:.3g} (rows run)"
                 name = "kernel " + kernel_name(op)
             else:
                 callee = re.search(r"calls=%?([\w.\-]+)", op.line)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 
 from lingpack.errors import ConfigError
@@ -73,6 +74,37 @@ def branch_weights(model_cfg):
     return weights
 
 
+MEGABLOX = re.compile(r"\bt?gmm\b")   # Megablox's kernels: gmm, tgmm and their jvp / transpose names
+
+
+def _expert_parallel(model_cfg, parallel) -> bool:
+    """Whether the MoE sends tokens to experts split over `parallel.expert` (parallel/expert.py)."""
+    moe = getattr(model_cfg, "moe", None)
+    return moe is not None and parallel.expert > 1 and moe.expert_parallel == "all_to_all"
+
+
+def megablox_share(model_cfg, parallel, tokens_per_device: float, devices):
+    """`lingpack.plan.cost` kernel shares, or None: Megablox's kernels on an expert-parallel receive buffer
+    declare a CostEstimate over every row of it (2 m k n), but their grid visits only the row tiles of the rows
+    routed there, sized at run time from the group sizes. A balanced step routes a device's M = tokens x top-k
+    (per `expert_parallel_chunks` round) rows into a buffer of `parallel/expert.py` `buffer_rows`: the share
+    is M over those rows (0.8 at the default capacity of 1.25)."""
+    if not _expert_parallel(model_cfg, parallel):
+        return None
+    from lingpack import backend
+    from lingpack.parallel import expert
+    moe = model_cfg.moe
+    exchange = moe.expert_parallel_exchange
+    if exchange == "auto":
+        with backend.target("tpu"):
+            exchange = backend.expert_exchange(devices)
+    M = int(tokens_per_device) // moe.expert_parallel_chunks * moe.top_k
+    R = parallel.expert
+    rows = expert.buffer_rows(M, R, moe.num_experts // R, moe.top_k, moe.expert_parallel_capacity, exchange)[1]
+    share = min(1.0, M / rows)
+    return lambda name: share if MEGABLOX.search(name) else 1.0
+
+
 def _per_device(leaf, sharding) -> int:
     return math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
 
@@ -115,7 +147,7 @@ def _first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {useful[:400]}"
 
 
-def compiled_metrics(program, model_cfg, chip, compiler: str, save_hlo: str | None = None) -> dict:
+def compiled_metrics(program, model_cfg, chip, compiler: str, save_hlo: str | None = None, kernel_share=None) -> dict:
     """Numbers of the compiled per-device program (numeric, so that two depths extrapolate leaf by leaf)."""
     from lingpack import backend
     from lingpack.plan import cost as cost_lib
@@ -147,7 +179,7 @@ def compiled_metrics(program, model_cfg, chip, compiler: str, save_hlo: str | No
            "compile_wall_s": compile_wall_s}
     if compiler == "tpu":
         coords = [list(d.coords) for d in program.mesh.devices.flat]
-        costed = cost_lib.program_cost(text, chip, coords=coords, branch_weights=weights)
+        costed = cost_lib.program_cost(text, chip, coords=coords, branch_weights=weights, kernel_share=kernel_share)
         out["cost"] = {k: costed[k] for k in ("step_s", "roofline_s", "xla_cycles_s", "hidden_s", "flops",
                                               "by_part", "by_kind", "flops_by_part", "flops_by_kind")}
         out["top"] = costed["top"]
@@ -167,21 +199,17 @@ def extrapolate(a, b, at_a: int, at_b: int, at: int):
     return a + (b - a) * (at - at_a) / (at_b - at_a)
 
 
-def remat_flops(model_cfg, seq_len: int, tokens_per_device: float) -> float:
-    """The forward recompute a step adds, analytic: with `nothing_saveable` each layer's forward runs again in
-    the backward, a third of its training FLOPs (other policies save some of the forward: not counted); the
-    vocabulary-chunked heads (main and MTP, `vocab_chunk_size`) recompute their logits in the backward
-    (models/head.py), 2 x vocab x width per token each, whatever the policy."""
+def remat_flops(model_cfg, seq_len: int, tokens_per_device: float, expert_rounds: int = 1) -> float:
+    """The forward recompute a step adds, analytic: `train/flops.py` `remat_flops` (what the layers' remat policy
+    recomputes, per part), plus the vocabulary-chunked heads' logits (main and MTP, `vocab_chunk_size`), which
+    models/head.py recomputes in the backward whatever the policy: 2 x vocab x width per token each."""
     from lingpack.train import flops as flops_lib
     if not hasattr(model_cfg, "vocab_size"):
         return 0.0
     heads = 1 + getattr(model_cfg, "mtp_num_layers", 0)
-    chunked = getattr(model_cfg, "vocab_chunk_size", 0)
-    recompute = 2.0 * model_cfg.vocab_size * model_cfg.emb_dim * heads if chunked else 0.0
-    if getattr(model_cfg, "remat", False) and getattr(model_cfg, "remat_policy", "") == "nothing_saveable":
-        head = 6.0 * model_cfg.vocab_size * model_cfg.emb_dim * heads
-        recompute += (flops_lib.flops_per_token(model_cfg, seq_len) - head) / 3
-    return recompute * tokens_per_device
+    logits = 2.0 * model_cfg.vocab_size * model_cfg.emb_dim * heads if getattr(model_cfg, "vocab_chunk_size", 0) else 0.0
+    layers = flops_lib.remat_flops(model_cfg, seq_len=seq_len, expert_rounds=expert_rounds)
+    return (logits + layers) * tokens_per_device
 
 
 def describe(model_cfg) -> str:
@@ -255,11 +283,12 @@ def measure(rc, parallel, chip, devices, *, layers: int | None = None, export: b
         compiled_model = model
     state = state_bytes(program)
     depths = _depths(model, layers)
+    share = megablox_share(model, parallel, rc.data.global_batch_size * rc.data.seq_length / len(devices), devices)
     runs = []
     for depth in depths:
         cfg = compiled_model if len(depths) == 1 else dataclasses.replace(compiled_model, num_layers=depth)
         got = compiled_metrics(program if cfg == model else _build(rc, cfg, parallel, devices), cfg, chip, compiler,
-                               save_hlo if depth == depths[-1] else None)
+                               save_hlo if depth == depths[-1] else None, kernel_share=share)
         log(f"plan: compiled {depth} layers with XLA:{compiler.upper()} in {got['compile_wall_s']:.0f} s "
             f"({got['compile_cpu_s']:.0f} s CPU)")
         runs.append((len(cfg.scanned_layers()) if len(depths) > 1 else depth, got))
@@ -276,7 +305,8 @@ def measure(rc, parallel, chip, devices, *, layers: int | None = None, export: b
     peak = mem["argument"] + mem["output"] + mem["temp"] - mem["alias"]
     T, rows, n = rc.data.seq_length, rc.data.global_batch_size, len(devices)
     flops = {"analytic": flops_lib.flops_per_token(model, T) * rows * T / n,
-             "remat": remat_flops(model, T, rows * T / n),
+             "remat": remat_flops(model, T, rows * T / n,
+                                  model.moe.expert_parallel_chunks if _expert_parallel(model, parallel) else 1),
              "xla_cost_analysis": metrics["xla_flops"], "hlo_dots": metrics["hlo_dots"]}
     if compiler == "tpu":
         flops["compiled"] = metrics["cost"]["flops"]
@@ -291,6 +321,7 @@ def measure(rc, parallel, chip, devices, *, layers: int | None = None, export: b
         "config": {"model": describe(model),
                    "seq_length": T, "global_batch_size": rows, "micro_batches": rc.train.micro_batches,
                    "kda_impl": getattr(model, "kda_impl", None),
+                   "remat_policy": getattr(model, "remat_policy", None) if getattr(model, "remat", False) else None,
                    "attention_impl": platform_attention(model, chip.platform) if hasattr(model, "attention_impl") else None},
         "breakdown": {"state_bytes": {k: state[k] for k in ("params", "optimizer", "rest")},
                       "gradient_bytes": state["gradients"], "batch_bytes": state["batch"],

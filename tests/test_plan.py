@@ -152,11 +152,15 @@ def test_a_mesh_that_does_not_match_the_devices_is_one_line_and_one_device_becom
 
 def test_tpu_topology_devices_come_without_libtpu_host_probe_noise():
     """libtpu looks for this host's TPU workers when it loads; compiling from a CPU host it found none and printed
-    4 lines (an INVALID_ARGUMENT about TPU_WORKER_HOSTNAMES) before every plan."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")} | {"JAX_PLATFORMS": "cpu"}
-    code = "from lingpack.plan import chips; print(len(chips.tpu_devices(chips.chip('v5p'), 8)))"
+    4 lines (an INVALID_ARGUMENT about TPU_WORKER_HOSTNAMES) before every plan. Loaded under v5p's XLA:TPU flags
+    (what the planner's CLI and the launch scripts set), it takes them without a word and the plan can say so."""
+    from lingpack import tpu_flags
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "LIBTPU_INIT_ARGS"))}
+    env |= {"JAX_PLATFORMS": "cpu"} | tpu_flags.env("v5p", environ={})
+    code = ("from lingpack.plan import chips; print(len(chips.tpu_devices(chips.chip('v5p'), 8)), "
+            "chips.libtpu_flags() == " + repr(env["LIBTPU_INIT_ARGS"]) + ")")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.split() == ["8"], proc.stderr[-2000:]
+    assert proc.returncode == 0 and proc.stdout.split() == ["8", "True"], proc.stderr[-2000:]
     assert proc.stderr == ""
 
 
@@ -186,6 +190,9 @@ def test_cli_plans_a_small_model_and_writes_the_json(tmp_path):
     assert any(k.startswith("splash") for k in result["export"]["mosaic_kernels"]), result["export"]["mosaic_kernels"]
     assert result["est_step_s"] >= result["step_flops"]["analytic"] / chips.chip("v5p").peak_flops
     assert "est. step" in proc.stdout and "XLA:TPU" in proc.stdout
+    from lingpack import tpu_flags
+    if not os.environ.get("LIBTPU_INIT_ARGS"):   # compiled under the flags the launch scripts set
+        assert result["libtpu_init_args"] == " ".join(tpu_flags.flags_for("v5p"))
 
 
 def test_a_tpu_only_kernel_planned_for_a_gpu_is_the_one_line_error():

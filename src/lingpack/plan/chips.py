@@ -107,9 +107,18 @@ def _product(dims) -> int:
     return out
 
 
+_LOADED_WITH = None   # LIBTPU_INIT_ARGS when this process first asked libtpu for a topology (its flags from then on)
+
+
+def libtpu_flags() -> str | None:
+    """The LIBTPU_INIT_ARGS this process's libtpu compiles under (read once, at its first topology); None before."""
+    return _LOADED_WITH
+
+
 def tpu_devices(chip: Chip, devices: int, override: str | None = None) -> list:
     """`devices` TPU devices of a `chip` slice, for compiling with libtpu on a host without one (no TPU needed)."""
     import os
+    global _LOADED_WITH
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{chip.name}-8")   # quiets libtpu's probe of this host
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")        # one process compiles: no pod workers to find
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")           # other compiles may hold libtpu's lock
@@ -119,6 +128,8 @@ def tpu_devices(chip: Chip, devices: int, override: str | None = None) -> list:
         raise ConfigError(f"compiling for {chip.name} needs libtpu: {INSTALL_TPU} (or plan.compiler=cpu for the "
                           "XLA:CPU twin, an estimate)") from None
     from jax.experimental import topologies
+    if _LOADED_WITH is None:
+        _LOADED_WITH = os.environ.get("LIBTPU_INIT_ARGS", "")
     name = topology_name(chip, devices, override)
     dims = [int(d) for d in name.split("x")]
     bounds = tuple(min(d, 2) for d in dims) + (1,) * (3 - len(dims))   # chips per host: 2x2 (x1)

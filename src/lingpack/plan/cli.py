@@ -22,6 +22,9 @@ Per mesh (`lingpack.plan.measure` does the measuring):
                the compiled step, `fits` against the chip's HBM; FLOPs (train/flops.py's analytic count,
                XLA's cost analysis, the matmul FLOPs the HLO executes); collectives by kind (loop trip
                counts in); a roofline time and the MFU it implies.
+On TPU chips the CLI compiles under the XLA:TPU flags the launch scripts train with (`lingpack.tpu_flags` for
+the chip; a LIBTPU_INIT_ARGS already set wins, `LIBTPU_INIT_ARGS=" "` plans libtpu's defaults); the plan
+records them (`libtpu_init_args`).
 `plan.search=true` also plans other meshes of N devices and recommends the cheapest that fits;
 `plan.remat_policies=[minimal,save_moe_proj]` also plans the configured mesh under each of those
 `model.remat_policy` values (models/remat.py: each saves some projections instead of recomputing them) and
@@ -154,6 +157,7 @@ def plan(rc, cfg: PlanConfig, *, log=print) -> dict:
     compiler = cfg.backend
     if compiler == "tpu":
         devices = chips.tpu_devices(chip, cfg.devices, cfg.topology)
+        log(f"plan: XLA:TPU flags (LIBTPU_INIT_ARGS): {chips.libtpu_flags() or 'none (libtpu defaults)'}")
         where = f"XLA:TPU, topology {chips.topology_name(chip, cfg.devices, cfg.topology)}"
     else:
         devices = jax.devices()
@@ -190,6 +194,8 @@ def plan(rc, cfg: PlanConfig, *, log=print) -> dict:
         raise ConfigError(f"no mesh compiled: {findings[0]['finding']}")
     best = min((r for r in results if r["fits"]), key=lambda r: r["est_step_s"], default=None)
     out = dict(results[0])
+    if compiler == "tpu":
+        out["libtpu_init_args"] = chips.libtpu_flags()
     if len(variants) > 1:
         keys = ("mesh", "remat_policy", "per_device_bytes", "fits", "est_step_s", "mfu_at_est")
         out["candidates"] = [{k: r["config"][k] if k == "remat_policy" else r[k] for k in keys}
@@ -268,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides, values = split_arguments(argv)
         cfg = plan_config(values)
         use_fake_devices(cfg.devices)
+        if cfg.backend == "tpu":   # compile under the XLA:TPU flags the launch scripts train with (a user's own win)
+            from lingpack import tpu_flags
+            os.environ.update(tpu_flags.env(cfg.chip))
         rc = run_config(compose(overrides, find_conf_dir(cfg.conf_dir)))
         result = plan(rc, cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     except ConfigError as err:

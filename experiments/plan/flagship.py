@@ -6,7 +6,7 @@
     python -m experiments.plan.flagship --only v5p/t8k/configured   # plan some keys only (the rest stays)
 
 Scenarios (conf/model/ling3_flagship.yaml, kernel=pallas_segment, attention splash, 64 chips), each planned
-per chip (v5p: topology 4x4x4, v6e: 8x8; `lingpack.plan.chips.TOPOLOGIES`), keys "<chip>/<scenario>/<mesh>":
+per chip (v5p: topology 4x4x4, v6e and v5e: 8x8; `lingpack.plan.chips.TOPOLOGIES`), keys "<chip>/<scenario>/<mesh>":
   t8k     T=8192, 64 rows (512K tokens a step); the configured mesh fsdp=8 x expert=8, then (`--search`) the
           planner's other candidates (`lingpack.plan.measure.candidate_meshes`)
   t128k   T=131072, 8 rows (1M tokens a step), context parallelism (ring, zigzag); expert=8 x context=8
@@ -32,8 +32,8 @@ OUT = ROOT / "experiments/plan/results"
 ARTIFACT = OUT / "flagship.json"
 TWIN = OUT / "flagship_xla_cpu.json"   # the XLA:CPU twin's plans (comparison only)
 DEVICES = 64
-CHIPS = ("v5p", "v6e")
-PLANNED = {"v5p": ("t8k", "t128k"), "v6e": ("t8k",)}   # chip -> scenarios, in the order they are planned
+CHIPS = ("v5p", "v6e", "v5e")
+PLANNED = {"v5p": ("t8k", "t128k"), "v6e": ("t8k",), "v5e": ("t8k",)}   # chip -> scenarios, in planning order
 BASE = ["model=ling3_flagship", "kernel=pallas_segment", "parallel.data=1", "parallel.fsdp=1", "parallel.tensor=1",
         "parallel.expert=1", "parallel.context=1"]
 SCENARIOS = {
@@ -98,26 +98,38 @@ def _twin(key: str) -> dict | None:
 def table(res: dict) -> str:
     """The docs block: every (chip, scenario, mesh) XLA:TPU planned, the XLA:CPU twin beside it as a comparison."""
     title = {"t8k": "T=8192, 64 rows", "t128k": "T=131072, 8 rows, CP ring"}
-    lines = ["| chip | scenario | mesh | XLA:TPU per device (GiB) | HBM (GiB) | fits | est. step | MFU at est. "
-             "| compiled / analytic+remat FLOPs | XLA:TPU compile wall | XLA:CPU twin (comparison): per device, est. step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| chip | scenario | mesh | XLA:TPU flags | XLA:TPU per device (GiB) | HBM (GiB) | fits | est. step "
+             "| MFU at est. | compiled / analytic+remat FLOPs | XLA:TPU compile wall | XLA:CPU twin (comparison): per "
+             "device, est. step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in sorted(res.items()):
         chip, scenario, _ = (key.split("/") + ["", ""])[:3]
         if scenario not in SCENARIOS:
             continue
         if "error" in r:
-            lines.append(f"| {chip} | {title[scenario]} | {key.split('/', 2)[2]} | {r['error']} | | | | | | | |")
+            lines.append(f"| {chip} | {title[scenario]} | {key.split('/', 2)[2]} | | {r['error']} | | | | | | | |")
             continue
         f = r["step_flops"]
         twin = _twin(key)
         compare = (f"{gib(twin['per_device_bytes'])} GiB, {twin['est_step_s']:.1f} s" if twin else "-")
         wall = sum(r["breakdown"].get("compile_wall_s", [0]))
-        lines.append(f"| {DEVICES} x {chip} | {title[scenario]} | {r['mesh']} | {gib(r['per_device_bytes'])} | "
+        flags = "launch scripts'" if r.get("libtpu_init_args") else "libtpu defaults"
+        lines.append(f"| {DEVICES} x {chip} | {title[scenario]} | {r['mesh']} | {flags} | {gib(r['per_device_bytes'])} | "
                      f"{gib(r['hbm_bytes'])} | {'yes' if r['fits'] else 'no'} | {r['est_step_s'] * 1e3:.0f} ms | "
                      f"{r['mfu_at_est']:.1%} | {f['compiled'] / (f['analytic'] + f['remat']):.2f} | "
                      f"{wall / 60:.1f} min | {compare} |")
     for key, r in sorted(res.items()):
-        if "error" in r or "cost" not in r.get("breakdown", {}):
+        if r.get("candidates"):
+            lines += ["", f"Remat policies planned on {key}'s mesh ({DEVICES} x {key.split('/')[0]}, "
+                      f"{title[key.split('/')[1]]}, XLA:TPU flags: "
+                      f"{'the launch scripts' if r.get('libtpu_init_args') else 'libtpu defaults'}):", "",
+                      "| remat policy | per device (GiB) | fits | est. step | MFU at est. |", "|---|---|---|---|---|"]
+            lines += [f"| {c.get('remat_policy') or 'none'} | {gib(c['per_device_bytes'])} | "
+                      f"{'yes' if c['fits'] else 'no'} | {c['est_step_s'] * 1e3:.0f} ms | {c['mfu_at_est']:.1%} |"
+                      if "finding" not in c else f"| {c['mesh']} | - | no | {c['finding']} | - |"
+                      for c in r["candidates"]]
+    for key, r in sorted(res.items()):
+        if "error" in r or "cost" not in r.get("breakdown", {}) or r.get("candidates"):
             continue
         parts = sorted(r["breakdown"]["cost"]["by_part"].items(), key=lambda kv: -kv[1])
         top = r["breakdown"].get("top", [])[:3]

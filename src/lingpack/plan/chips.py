@@ -129,7 +129,7 @@ def tpu_devices(chip: Chip, devices: int, override: str | None = None) -> list:
                           "XLA:CPU twin, an estimate)") from None
     from jax.experimental import topologies
     if _LOADED_WITH is None:
-        _LOADED_WITH = os.environ.get("LIBTPU_INIT_ARGS", "")
+        _LOADED_WITH = os.environ.get("LIBTPU_INIT_ARGS", "").strip()   # " ": a user's way to ask for no flags
     name = topology_name(chip, devices, override)
     dims = [int(d) for d in name.split("x")]
     bounds = tuple(min(d, 2) for d in dims) + (1,) * (3 - len(dims))   # chips per host: 2x2 (x1)

@@ -51,8 +51,6 @@ HEAVY_DUPLICATES = {
         "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_varlen-True]":
         "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
-    "tests/parallel/test_expert.py::test_megablox_takes_the_receive_buffers_unmasked[balanced]":
-        "unmasked Megablox receive buffers against one device: the skewed case (round 0 and the overflow rounds)",
     "tests/parallel/test_expert.py::test_capacity_buffers_equal_one_device[balanced-dense]":
         "the dense exchange against one device: the skewed-dense case (its overflow rounds included)",
     "tests/train/test_flagship_export.py::test_flagship_step_exports_for_tpu_on_fsdp_tensor_expert":

@@ -191,6 +191,7 @@ def test_capacity_buffers_equal_one_device(exchange, skew, monkeypatch):
         assert rounds == _rounds_wanted(cfg, load_E, B * T // 8, 8, exchange), (rounds, load_E)
 
 
+@pytest.mark.slow   # Megablox in interpret mode, 5-9 s a case; the masked path's NaN buffers: the capacity tests above
 @pytest.mark.parametrize("skew", [None, 5], ids=["balanced", "skewed"])
 def test_megablox_takes_the_receive_buffers_unmasked(skew, monkeypatch):
     """With Megablox (interpret mode here) the receive buffers' free rows reach the experts unmasked, NaN

@@ -24,6 +24,7 @@ def test_a_change_to_the_code_after_the_measured_commit_makes_a_block_stale(tmp_
     artifact = {"commit": measured + "+changes", "rows": [{"commit": measured}]}
     code = ("src/pkg", "bench.py")
     assert blocks.recorded_commits(artifact) == {measured}
+    assert blocks.recorded_commits({"commits": {"layer": "abc1234", "v5e": measured + "+changes"}}) == {"abc1234", measured}
     # the results commit itself, docs and code elsewhere: still fresh
     _commit(tmp_path, {"results/r.json": json.dumps(artifact), "src/pkg/README.md": "notes\n",
                        "src/other.py": "y = 2\n"}, "results")

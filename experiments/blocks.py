@@ -141,9 +141,8 @@ def table(name: str) -> str:
 def recorded_commits(data) -> set[str]:
     """Every `commit` the artifact records (any depth; also `commits`: {part: commit}), without a `+changes` suffix."""
     if isinstance(data, dict):
-        found = {data["commit"].split("+")[0]} if isinstance(data.get("commit"), str) else set()
         parts = data.get("commits") if isinstance(data.get("commits"), dict) else {}
-        found |= {c.split("+")[0] for c in parts.values() if isinstance(c, str)}
+        found = {c.split("+")[0] for c in (data.get("commit"), *parts.values()) if isinstance(c, str)}
         return found.union(*(recorded_commits(v) for k, v in data.items() if k not in ("commit", "commits")))
     if isinstance(data, list):
         return set().union(*(recorded_commits(v) for v in data))

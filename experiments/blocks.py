@@ -84,6 +84,12 @@ BLOCKS = {
                               "experiments.context_parallel.context_schedule:table",
                               (*RUN, "experiments/context_parallel/context_schedule.py"),
                               "python -m experiments.context_parallel.context_schedule"),
+    "context_parallel_model_tpu": Block("experiments/context_parallel/results/model_memory.json",
+                                        "experiments.context_parallel.model_memory:tpu_table",
+                                        (*STEP, "experiments/context_parallel/model_memory.py",
+                                         "experiments/xla_tpu.py"),
+                                        "python -m experiments.context_parallel.model_memory --compiler tpu "
+                                        "--T 65536 --cp 1 8 --remeasure"),
     "plan_flagship": Block("experiments/plan/results/flagship.json", "experiments.plan.flagship:table",
                            (*STEP, "src/lingpack/plan", "experiments/plan/flagship.py"),
                            "python -m experiments.plan.flagship --rerun"),

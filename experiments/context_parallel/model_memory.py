@@ -1,6 +1,7 @@
 """The whole ling3_tiny train step under context parallelism: per-device memory vs T, and collectives.
 
-    python -m experiments.context_parallel.model_memory [--T 4096 16384 65536] [--cp 1 2 4 8] [--jobs 3]
+    python -m experiments.context_parallel.model_memory [--T 4096 16384 65536] [--cp 1 2 4 8] [--jobs 3] [--remeasure]
+    python -m experiments.context_parallel.model_memory --compiler tpu --T 65536 --cp 1 8
     python -m experiments.context_parallel.model_memory --table-only     # re-render the png from the json
 
 Part 1 (memory). One train step of ling3_tiny (forward, backward, clip, AdamW; B=1; fp32; KDA `chunked`, MLA
@@ -16,7 +17,13 @@ bytes per device.
 
 Every configuration compiles in its own subprocess with a timeout; results are merged into
 `results/model_memory.json` as they arrive, so an interrupted run keeps what it measured (rerun to fill in
-the rest: finished configurations are skipped). `table` renders the `context_parallel_model` results block.
+the rest: finished configurations are skipped; `--remeasure` compiles them again on the current code).
+`table` renders the `context_parallel_model` results block.
+
+`--compiler tpu` compiles the train step alone with XLA:TPU (libtpu, v5p megacore chips; nothing runs), KDA
+by its TPU kernel (`pallas_segment`, the kernel CP=1 and each CP block call alike) and MLA as on XLA:CPU
+(flash on one device, the ring under CP); keyed `step@xla_tpu/T/CP`, rendered by `tpu_table` (the
+`context_parallel_model_tpu` block).
 """
 
 from __future__ import annotations
@@ -44,14 +51,6 @@ OUT = ROOT / "experiments/context_parallel/results"
 VOCAB = 384              # the bundled corpus' vocabulary, padded (what `python run.py` builds)
 LAYER_T, LAYER_CP = 16384, 8
 COUNTER = 2             # version of `collectives`; the table skips counts from older versions
-VARIANTS = {   # code changes measured against the main grid (which stays as it was measured)
-    "moe_local": "each device dispatches its own tokens to the experts.",
-    "conv_vjp": ("as `moe_local`, and: the short convolution keeps only its input (its own VJP; under CP the previous "
-                 "block's tokens reach it apart), the ring's tile kernel reads and updates blocks in place."),
-}
-# the main grid's rows predate recording a commit; this names the code they measured
-MAIN_GRID_CODE = ("the code before commit b6a924d, whose MoE dispatched every token with one global sort over the "
-                  "split token axis (XLA runs it on every token on every device)")
 KINDS = ("all-gather", "collective-permute", "all-reduce", "reduce-scatter", "all-to-all")
 
 
@@ -62,11 +61,11 @@ def collectives(hlo: str) -> dict:
 
 # ---------------------------------------------------------------- one configuration (runs in a subprocess)
 
-def model_config():
+def model_config(compiler: str = "cpu"):
     from lingpack.models.ling3 import config_from_dict
     d = yaml.safe_load((ROOT / "conf/model/ling3_tiny.yaml").read_text())
     d.pop("vocab_size_divisible_by")
-    d.update(vocab_size=VOCAB, attention_impl="flash")
+    d.update(vocab_size=VOCAB, attention_impl="flash", kda_impl="pallas_segment" if compiler == "tpu" else "chunked")
     return config_from_dict(d)
 
 
@@ -94,7 +93,7 @@ def measure_step(T: int, cp: int, compiler: str = "cpu") -> dict:
 
     from experiments.provenance import commit as code_commit
     commit = code_commit()   # the code this worker imported
-    cfg = model_config()
+    cfg = model_config(compiler)
     parallel = ParallelConfig(data=1, context=cp, context_strategy="ring", load_balance=True)
     if compiler == "tpu":   # the same step compiled by libtpu for `cp` v5p chips (nothing runs)
         from experiments import xla_tpu
@@ -138,6 +137,8 @@ def measure_layer(kind: str, T: int, cp: int) -> dict:
     from lingpack.train import sharding as shard_lib
     from lingpack.train.configs import ParallelConfig
 
+    from experiments.provenance import commit as code_commit
+    commit = code_commit()   # the code this worker imported
     cfg = model_config()
     if kind == "kda":
         layer = KDA(cfg.kda, cfg.emb_dim, kernel=KDAKernel(chunk_size=cfg.kda_chunk_size), rngs=nnx.Rngs(0))
@@ -161,7 +162,7 @@ def measure_layer(kind: str, T: int, cp: int) -> dict:
             jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=row))
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
     H, K = cfg.kda.num_heads, cfg.kda.head_dim
-    return dict(peak(compiled), kind=kind, T=T, cp=cp, collectives=collectives(compiled.as_text()),
+    return dict(peak(compiled), kind=kind, T=T, cp=cp, collectives=collectives(compiled.as_text()), commit=commit,
                 kda_summary_bytes=H * K * 2 * K * 4)   # one block's fp32 [H, K, K + V] (K = V here)
 
 
@@ -185,14 +186,13 @@ def mib(b: float) -> str:
     return f"{b / 2**20:.1f}"
 
 
-def _steps(res: dict, variant: str = "") -> dict:
-    prefix = f"step@{variant}/" if variant else "step/"
-    return {(r["T"], r["cp"]): r for k, r in res.items() if k.startswith(prefix) and "peak" in r}
+def _steps(res: dict) -> dict:
+    return {(r["T"], r["cp"]): r for k, r in res.items() if k.startswith("step/") and "peak" in r}
 
 
-def _code(steps: dict) -> str:
-    commits = sorted({r["commit"] for r in steps.values() if r.get("commit")})
-    return f"commit {', '.join(commits)}" if commits else MAIN_GRID_CODE
+def _code(rows) -> str:
+    commits = sorted({r.get("commit") or "unrecorded" for r in rows})
+    return f"commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}"
 
 
 def table(res: dict) -> str:
@@ -201,7 +201,7 @@ def table(res: dict) -> str:
     Ts, cps = sorted({t for t, _ in steps}), sorted({c for _, c in steps})
     lines = ["Per-device peak of one ling3_tiny train step (MiB; B=1, fp32, 4 layers: 3 KDA + 1 MLA, AdamW), compiled "
              "for the row split over `context`=CP (zigzag; KDA state passing, ring MLA; CP=1: one device, flash MLA), "
-             f"measured on {_code(steps)}. In brackets: peak / CP=1 peak at that T (goal ~1/CP).", "",
+             f"measured on {_code(steps.values())}. In brackets: peak / CP=1 peak at that T (goal ~1/CP).", "",
              "| T | " + " | ".join(f"CP={c}" for c in cps) + " |", "|---" * (len(cps) + 1) + "|"]
     for T in Ts:
         base = steps.get((T, 1))
@@ -224,15 +224,6 @@ def table(res: dict) -> str:
             if r:
                 lines.append(f"| {c} | {mib(r['argument'])} | {mib(r['output'])} | {mib(r['temp'])} | "
                              f"{mib(r['alias'])} | {mib(r['peak'])} |")
-    for variant in sorted({r["variant"] for r in res.values() if r.get("variant")}):
-        vsteps = _steps(res, variant)
-        lines += ["", f"Variant `{variant}` (commit {next(iter(vsteps.values()))['commit']}): {VARIANTS[variant]} "
-                  "In brackets: peak / CP=1 peak of this variant (of the table above where it has none).", "",
-                  "| T | CP | peak | ratio |", "|---|---|---|---|"]
-        for (T, c), r in sorted(vsteps.items()):
-            base = vsteps.get((T, 1)) or steps.get((T, 1))
-            lines.append(f"| {T // 1024}K | {c} | {mib(r['peak'])} | " + (f"{r['peak'] / base['peak']:.3f}" if base
-                                                                          else "-") + " |")
     lines += ["", "Collectives executed per device (count / KiB of results; `while` bodies times their trip count; "
               "trivial: over size-1 mesh axes, no traffic, not in the other columns).",
               "", "| program | " + " | ".join(KINDS) + " | trivial |", "|---" * (len(KINDS) + 2) + "|"]
@@ -241,8 +232,6 @@ def table(res: dict) -> str:
     rows += [(f"MLA layer (ring) fwd+bwd, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
              if k.startswith("layer/mla") and "collectives" in r]
     rows += [(f"train step, T={T // 1024}K, CP={c}", r) for (T, c), r in sorted(steps.items()) if c > 1]
-    rows += [(f"train step `{r['variant']}`, T={r['T'] // 1024}K, CP={r['cp']}", r) for k, r in sorted(res.items())
-             if r.get("variant") and r["cp"] > 1]
     rows = [(name, r) for name, r in rows if r["collectives"].get("counter") == COUNTER]
     for name, r in rows:
         by = r["collectives"]["by_kind"]
@@ -262,7 +251,8 @@ def tpu_table(res: dict) -> str:
     tpu = {(r["T"], r["cp"]): r for k, r in res.items() if k.startswith("step@xla_tpu/") and "peak" in r}
     cpu = _steps(res)
     lines = ["The same ling3_tiny train step compiled by XLA:TPU (libtpu, v5p megacore: CP=1 on `v5p:1x1x1`, CP=8 on "
-             "`v5p:2x2x2`) beside XLA:CPU's figure of the table above (fake devices). MiB per device; in brackets: "
+             "`v5p:2x2x2`; KDA by its TPU kernel `pallas_segment`, MLA flash on one device and the ring under CP) "
+             "beside XLA:CPU's figure of the table above (fake devices, KDA `chunked`). MiB per device; in brackets: "
              "peak / CP=1 peak of the same compiler (goal <= 0.13 at CP=8, 64K).", "",
              "| T | CP | XLA:TPU peak | XLA:TPU temporaries | XLA:CPU peak | commit (XLA:TPU) |", "|---|---|---|---|---|---|"]
     for (T, c), r in sorted(tpu.items()):
@@ -286,19 +276,13 @@ def plot(res: dict, path: Path) -> None:
         base = [t for t in Ts if (t, 1) in steps]
         b.plot(base, [steps[(t, c)]["peak"] / steps[(t, 1)]["peak"] for t in base], f"C{i}-o", label=f"CP={c}")
         b.axhline(1 / c, color=f"C{i}", lw=0.7, ls=":")
-        for variant in sorted({r["variant"] for r in res.values() if r.get("variant")}):
-            vsteps = _steps(res, variant)
-            vT = sorted(t for t, cc in vsteps if cc == c and (t, 1) in steps)
-            a.plot(vT, [vsteps[(t, c)]["peak"] / 2**20 for t in vT], f"C{i}x", ms=9)
-            b.plot(vT, [vsteps[(t, c)]["peak"] / steps[(t, 1)]["peak"] for t in vT], f"C{i}x", ms=9,
-                   label=f"CP={c}, {variant}" if vT else None)
     Ts = sorted({t for t, _ in steps})
     for ax, ylabel in ((a, "per-device peak (MiB)"), (b, "peak / CP=1 peak (dotted: 1/CP)")):
         ax.set(xscale="log", yscale="log", xlabel="T (tokens per row)", ylabel=ylabel)
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xticks(Ts, [f"{t // 1024}K" for t in Ts])
         ax.legend(fontsize=8)
-    a.set_title("ling3_tiny train step, compiled per-device peak")
+    a.set_title("ling3_tiny train step, compiled per-device peak (XLA:CPU)")
     b.set_title("ratio to one device")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -317,8 +301,8 @@ def main() -> int:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per configuration's compile")
     parser.add_argument("--retry-timeouts", action="store_true", help="recompile configurations that timed out")
-    parser.add_argument("--variant", choices=sorted(VARIANTS), help="measure the current code as this variant "
-                        "(kept beside the main grid, which it does not replace)")
+    parser.add_argument("--remeasure", action="store_true", help="compile the configurations asked for again, on the "
+                        "current code, replacing what the json holds for them")
     parser.add_argument("--jobs", type=int, default=1, help="configurations compiled at once (one process each)")
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--compiler", choices=["cpu", "tpu"], default="cpu", help="tpu: the train step only, compiled "
@@ -334,7 +318,7 @@ def main() -> int:
     res = json.loads(path.read_text()) if path.exists() else {}
     if args.compiler == "tpu":
         todo = [(f"step@xla_tpu/{T}/{cp}", ["step", str(T), str(cp), "tpu"]) for T in args.T for cp in args.cp]
-        todo = [(key, a) for key, a in todo if key not in res]
+        todo = [(key, a) for key, a in todo if key not in res or args.remeasure]
         for key, worker_args in todo:   # one at a time: merged into the json as each arrives
             got = run_one(key, worker_args, args.timeout)
             if got is not None:
@@ -344,16 +328,14 @@ def main() -> int:
         print(tpu_table(res))
         return 0
     todo = [(f"layer/{k}/{LAYER_T}/{LAYER_CP}", [k, str(LAYER_T), str(LAYER_CP)]) for k in ("kda", "mla")]
-    step = f"step@{args.variant}" if args.variant else "step"
-    todo += [(f"{step}/{T}/{cp}", ["step", str(T), str(cp)]) for T in args.T for cp in args.cp]
-    todo = [(key, a) for key, a in todo if key not in res or ("timeout_s" in res[key] and args.retry_timeouts)]
+    todo += [(f"step/{T}/{cp}", ["step", str(T), str(cp)]) for T in args.T for cp in args.cp]
+    todo = [(key, a) for key, a in todo
+            if key not in res or args.remeasure or ("timeout_s" in res[key] and args.retry_timeouts)]
     lock = threading.Lock()
 
     def one(item):
         key, worker_args = item
         got = run_one(key, worker_args, args.timeout)
-        if got is not None and args.variant and key.startswith("step@"):
-            got["variant"] = args.variant
         if got is not None:
             with lock:   # merge and rewrite the artifacts as each configuration arrives
                 res[key] = got

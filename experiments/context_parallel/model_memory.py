@@ -288,9 +288,14 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write(res: dict) -> None:
+def write(res: dict, key: str | None = None) -> None:
+    """Rewrite the json (and the plot); with `key`, merge only res[key] into what the file holds now, so a CPU
+    and a TPU run going at once both keep their rows."""
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "model_memory.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+    path = OUT / "model_memory.json"
+    if key is not None and path.exists():
+        res.update({k: v for k, v in json.loads(path.read_text()).items() if k != key})
+    path.write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     if any(k.startswith("step/") and "peak" in r for k, r in res.items()):
         plot(res, OUT / "model_memory.png")
 
@@ -323,7 +328,7 @@ def main() -> int:
             got = run_one(key, worker_args, args.timeout)
             if got is not None:
                 res[key] = got
-                write(res)
+                write(res, key)
                 print(f"{key}: {json.dumps({k: v for k, v in got.items() if k != 'collectives'})}", flush=True)
         print(tpu_table(res))
         return 0
@@ -339,12 +344,13 @@ def main() -> int:
         if got is not None:
             with lock:   # merge and rewrite the artifacts as each configuration arrives
                 res[key] = got
-                write(res)
+                write(res, key)
             print(f"{key}: {json.dumps({k: v for k, v in got.items() if k != 'collectives'})}", flush=True)
 
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(one, [] if args.table_only else todo))
-    write(res)
+    if not todo or args.table_only:
+        write(res)
     print(table(res))
     return 0
 

@@ -46,7 +46,8 @@ HEAVY_DUPLICATES = {
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-False]":
         "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-True]":
-        "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
+        "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic; "
+        "pallas_segment with the lower-bound gate for TPU at the flagship's shapes: tests/train/test_flagship_export.py",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_varlen-False]":
         "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_varlen-True]":
@@ -107,9 +108,6 @@ HEAVY_DUPLICATES = {
     "tests/models/test_ling3.py::test_bfloat16_compute_tracks_fp32":
         "bf16 in the kernels: tests/kernels/test_kda_pallas.py::test_bf16_within_fla_tolerances; the bf16 model "
         "over 50 steps against the fp32 reference: experiments/loss_parity",
-    "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-True]":
-        "pallas_segment with the lower-bound gate lowered for TPU at the flagship's shapes: "
-        "tests/train/test_flagship_export.py::test_flagship_step_exports_for_tpu_on_fsdp_tensor_expert",
     "tests/models/test_ling3.py::test_conf_model_yaml_builds[ling3_tiny]":
         "ling3_tiny's yaml built and trained: the run.py SIGTERM/resume smoke (the default config); the yaml "
         "schema: test_conf_model_yaml_builds[ling3_small]",

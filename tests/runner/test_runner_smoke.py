@@ -46,8 +46,8 @@ def records(run_dir: Path) -> list:
 def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     run_dir = tmp_path / "run"
     args = [*FAST, "train.eval_every=2", "train.eval_batches=1", f"hydra.run.dir={run_dir}",
-            f"distributed.compilation_cache_dir={tmp_path / 'xla'}",   # the rerun loads the first try's programs
-            "distributed.compilation_cache_min_compile_s=0"]
+            f"distributed.compilation_cache_dir={tmp_path / 'xla'}",   # the rerun loads the first try's programs:
+            "distributed.compilation_cache_min_compile_s=0", "optim.decay_steps=500"]   # one LR schedule, one program
     first = subprocess.Popen(command([*args, "train.steps=500"], tmp_path), cwd=tmp_path, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 900

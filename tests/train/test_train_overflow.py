@@ -108,7 +108,7 @@ def test_overflow_gradients_equal_the_batch_without_those_documents(setup, z_los
         np.testing.assert_array_equal(np.asarray(s_overflow["moe_z_tokens"]), np.asarray(s_oracle["moe_z_tokens"]))
 
 
-@pytest.mark.slow  # the default suite checks this end to end: the overflowing sweep's packing_parity_rel (tests/runner)
+@pytest.mark.slow  # default suite: the surviving documents' loss and gradients (the z_loss=0 case above)
 def test_surviving_documents_match_the_per_document_result(setup):
     defs, state, batch = setup
     model = defs["aligned"].merge(state.params, state.rest)

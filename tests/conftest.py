@@ -47,7 +47,8 @@ HEAVY_DUPLICATES = {
         "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-True]":
         "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic; "
-        "pallas_segment with the lower-bound gate for TPU at the flagship's shapes: tests/train/test_flagship_export.py",
+        "pallas_segment with the lower-bound gate for TPU at the flagship's shapes: "
+        "tests/train/test_flagship_export.py",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_varlen-False]":
         "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_varlen-True]":

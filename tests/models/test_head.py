@@ -45,7 +45,7 @@ def head_loss(chunk: int, vocab_axis: int):
 
 
 @pytest.mark.parametrize("vocab_axis", [1, 0])          # a [D, V] head; a tied [V, D] embedding table
-@pytest.mark.parametrize("chunk", [16, 25, 128])         # does not divide V (last chunk overlaps); divides; > V
+@pytest.mark.parametrize("chunk", [16, 25, 128])         # does not divide V (the last chunk overlaps); divides; > V
 def test_chunked_xent_equals_whole_vocabulary(chunk, vocab_axis):
     keys = jax.random.split(jax.random.key(chunk + vocab_axis), 3)
     h = jax.random.normal(keys[0], (B, T, D))
@@ -58,6 +58,34 @@ def test_chunked_xent_equals_whole_vocabulary(chunk, vocab_axis):
     xent, lse = LMHead(h, w, vocab_axis, chunk).xent(targets)
     ref_xent, ref_lse = token_xent(h @ (w if vocab_axis == 1 else w.T), targets)
     assert rel(xent, ref_xent) <= 1e-6 and rel(lse, ref_lse) <= 1e-6
+
+
+def dot_flops(jaxpr) -> int:
+    """2 m n k of every dot_general in a jaxpr, a scan's body times its length, nested jaxprs included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(np.prod([eqn.invars[0].aval.shape[d] for d in contract]))
+        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    total += times * dot_flops(inner if hasattr(inner, "eqns") else inner.jaxpr)
+    return total
+
+
+@pytest.mark.parametrize("vocab,chunk,columns", [(100, 16, 105), (100, 25, 100), (100, 128, 100),
+                                                  (157184, 16384, 157440), (1000, 251, 1000)])
+def test_chunks_are_equal_and_overlap_by_less_than_a_lane_each(vocab, chunk, columns):
+    """Forward, backward recompute, dh and dw: 4 x 2 N D x columns matmul FLOPs. ceil(V / C) equal chunks: 7 of 15
+    for V = 100, C = 16 (not 7 of 16, 12 columns twice); the flagship's 10 of 15744 (a multiple of 128), 256
+    columns twice where chunks of 16384 count 6656; 4 of 250 for V = 1000, C = 251 (256 would pass C)."""
+    h, w = jax.ShapeDtypeStruct((1, 8, D), jnp.float32), jax.ShapeDtypeStruct((D, vocab), jnp.float32)
+    targets = jnp.zeros((1, 8), jnp.int32)
+    step = jax.value_and_grad(lambda h, w: LMHead(h, w, 1, chunk).xent(targets)[0].sum(), (0, 1))
+    assert dot_flops(jax.make_jaxpr(step)(h, w).jaxpr) == 4 * 2 * 8 * D * columns
 
 
 def test_target_outside_the_vocabulary_is_nan_like_the_whole_vocabulary():
@@ -122,7 +150,7 @@ def test_train_step_with_vocabulary_chunks_equals_whole_vocabulary(overrides, lo
 @pytest.mark.parametrize("tie", [False, True])
 def test_vocabulary_parallel_chunks_on_a_mesh_equal_one_device(tie):
     """data 2 x fsdp 2 x tensor 2: rows over data x fsdp, the vocabulary over tensor (two shards of 128 columns,
-    chunks of 48: every shard's last chunk overlaps its predecessor)."""
+    chunks of 43: every shard's last chunk overlaps its predecessor by 1 column)."""
     model = dataclasses.replace(MODEL, tie_embeddings=tie)
     loss = LossConfig(z_loss_weight=1e-3)
     whole = step_gradients(model, loss, dict(data=1), 1)

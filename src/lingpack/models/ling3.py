@@ -108,7 +108,7 @@ class Ling3Config:
     remat_policy_moe: str | None = None
     scan_layers: bool = True                 # one scan over the MoE layers (compile time flat in depth)
     tie_embeddings: bool = False
-    vocab_chunk_size: int = 0               # head + cross-entropy per this many vocabulary columns; 0 = whole
+    vocab_chunk_size: int = 0               # head + cross-entropy in equal chunks of at most this many columns; 0 = whole
     init_from: str | None = None            # a transformers directory the run's weights start from (export/)
     kda: KDAConfig = KDAConfig()
     mla: MLAConfig = MLAConfig()

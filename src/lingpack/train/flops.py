@@ -2,6 +2,8 @@
 
 Ling3 estimate, forward + backward = 3 x forward, multiply-add = 2 FLOPs:
   matmuls:   6 * (active parameters - input embedding table)    (the lookup is not a matmul)
+  MTP heads: 6 * vocab * width per MTP depth                     (each depth's logits run the shared output head
+             again, which the parameter count holds once)
   attention: 3 * 2 * 2 * heads * (qk_head_dim + v_head_dim) / 2 * T / 2 per MLA layer (incl. MTP)
              (scores + values; causal: each query sees T/2 keys on average; an upper bound under packing)
   KDA:       3 * 2 * heads * (2 * head_dim^2 + chunk * 2 * head_dim) per KDA layer
@@ -70,6 +72,7 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
         return 0.0
     cfg = model_cfg
     matmul = 6.0 * (count_active_params(cfg) - cfg.vocab_size * cfg.emb_dim * (not cfg.tie_embeddings))
+    matmul += 6.0 * cfg.vocab_size * cfg.emb_dim * cfg.mtp_num_layers   # the shared head, once more per MTP depth
     kinds = [mixer for mixer, _ in cfg.layer_kinds()]
     n_mla = kinds.count("mla") + cfg.mtp_num_layers
     n_kda = kinds.count("kda")

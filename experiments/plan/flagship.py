@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -41,7 +42,11 @@ SCENARIOS = {
     "t128k": BASE + ["data.seq_length=131072", "data.global_batch_size=8", "parallel.expert=8", "parallel.context=8"],
 }
 SEARCH = 4                      # meshes planned per scenario, the configured one first
+# planned beside the configured ones: key -> (scenario, extra overrides, environment)
+VARIANTS = {"v5p/t8k/remat-policies": ("t8k", ["plan.remat_policies=[minimal,save_moe_proj]"],
+                                       {"LIBTPU_INIT_ARGS": " "})}   # libtpu's own defaults, not the launch flags
 DEPTH_LAYERS = 9
+FLOPS_KEYS = ("v5p/t8k/configured", "v5p/t128k/configured")   # the plans whose compiled FLOPs are itemised
 
 
 def mesh_overrides(parallel) -> list[str]:
@@ -56,7 +61,7 @@ def meshes(scenario: str) -> list[list[str]]:
     return [[]] + [mesh_overrides(p) for p in plan_measure.candidate_meshes(rc, DEVICES, SEARCH - 1)]
 
 
-def run_plan(overrides: list[str], timeout: int, chip: str = "v5p") -> dict:
+def run_plan(overrides: list[str], timeout: int, chip: str = "v5p", env: dict | None = None) -> dict:
     """One `python -m lingpack.plan` process: its JSON plus wall and CPU seconds (the process and its children)."""
     out = OUT / "tmp_plan.json"
     cmd = [sys.executable, "-m", "lingpack.plan", *overrides, f"plan.devices={DEVICES}", f"plan.chip={chip}",
@@ -64,7 +69,8 @@ def run_plan(overrides: list[str], timeout: int, chip: str = "v5p") -> dict:
     print(" ".join(cmd[1:]), flush=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
@@ -137,11 +143,39 @@ def table(res: dict) -> str:
                   + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts if v >= 5e-4) + "; costliest instructions: "
                   + "; ".join(f"{t['op']} {t['seconds'] * 1e3:.0f} ms over {t['runs']:.0f} runs" for t in top) + "."]
         lines += [f"Note ({key}): {n}" for n in r.get("notes", []) if n.startswith("the XLA:TPU compile is of")]
+    lines += flops_table(res)
     commits = sorted({r.get("commit", "?") for r in res.values() if isinstance(r, dict)})
     lines += ["", f"Measured at commit {', '.join(commits)}: XLA:TPU (libtpu 0.0.42.1) compiling for each slice's "
               "topology on a shared 2-core CPU host, no TPU attached; `python -m experiments.plan.flagship` "
               "regenerates this block."]
     return "\n".join(lines) + "\n"
+
+
+def flops_table(res: dict) -> list[str]:
+    """The compiled programs' FLOPs per device by model part, and the Mosaic kernels' declared share, against the
+    analytic count (`train/flops.py`) plus the recompute of the remat policy and the chunked heads (FLOPS_KEYS)."""
+    plans = {k: res[k] for k in FLOPS_KEYS if k in res and "flops_by_part" in res[k]["breakdown"].get("cost", {})}
+    if not plans:
+        return []
+    tf = lambda v: f"{v / 1e12:.1f}"
+    rows = {"analytic (`train/flops.py`)": [p["step_flops"]["analytic"] for p in plans.values()],
+            "recompute (remat policy, chunked heads)": [p["step_flops"]["remat"] for p in plans.values()],
+            "compiled": [p["step_flops"]["compiled"] for p in plans.values()]}
+    names = {n for p in plans.values() for n in p["breakdown"]["cost"]["flops_by_part"]}
+    parts = {f"compiled: {n}": [p["breakdown"]["cost"]["flops_by_part"].get(n, 0.0) for p in plans.values()]
+             for n in names}
+    kinds = {k for p in plans.values() for k in p["breakdown"]["cost"]["flops_by_kind"] if k.startswith("kernel ")}
+    kernels = {f"of which Mosaic `{k.removeprefix('kernel ')}`": [p["breakdown"]["cost"]["flops_by_kind"].get(k, 0.0)
+                                                                  for p in plans.values()] for k in kinds}
+    lines = ["", "Compiled FLOPs per device (TFLOP, loop trip counts in; the Mosaic kernels by their CostEstimates, "
+             "Megablox's at the rows it runs) against the analytic count and its recompute:", "",
+             "| | " + " | ".join(plans) + " |", "|---|" + "---:|" * len(plans)]
+    for table in (rows, dict(sorted(parts.items(), key=lambda kv: -kv[1][0])),
+                  dict(sorted(kernels.items(), key=lambda kv: -kv[1][0]))):
+        lines += [f"| {name} | " + " | ".join(tf(v) for v in values) + " |" for name, values in table.items()]
+    ratio = [p["step_flops"]["compiled"] / (p["step_flops"]["analytic"] + p["step_flops"]["remat"])
+             for p in plans.values()]
+    return lines + ["| compiled / (analytic + recompute) | " + " | ".join(f"{x:.2f}" for x in ratio) + " |"]
 
 
 def write(res: dict) -> None:
@@ -176,10 +210,12 @@ def main() -> int:
                 for extra in (meshes(scenario) if args.search else [[]]):
                     mesh = "configured" if not extra else " ".join(e.split(".", 1)[1] for e in extra)
                     todo.append((f"{chip}/{scenario}/{mesh}", SCENARIOS[scenario] + extra, chip))
-        for key, overrides, chip in todo:
+        todo += [(key, SCENARIOS[scenario] + extra, key.split("/")[0], env)
+                 for key, (scenario, extra, env) in VARIANTS.items()]
+        for key, overrides, chip, *env in todo:
             if (key in res and "error" not in res[key]) or (args.only and key not in args.only):
                 continue
-            res[key] = run_plan(overrides, args.timeout, chip)
+            res[key] = run_plan(overrides, args.timeout, chip, *env)
             write(res)
     write(res)
     print(table(res))

@@ -66,7 +66,8 @@ def dot_flops(jaxpr) -> int:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             (contract, _), _ = eqn.params["dimension_numbers"]
-            total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(np.prod([eqn.invars[0].aval.shape[d] for d in contract]))
+            depth = np.prod([eqn.invars[0].aval.shape[d] for d in contract])
+            total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(depth)
         times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):

@@ -7,8 +7,9 @@ The whole flagship on 64 v5p chips is slow (its XLA:TPU compile takes 6-8 min on
 import pytest
 
 from lingpack import backend
-from lingpack.plan import chips
 from lingpack.kernels import mosaic
+from lingpack.plan import chips, cost, measure
+from lingpack.train import flops
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.program import TrainProgram
 from tests.train.test_flagship_export import KDA, SPLASH, T, flagship
@@ -21,7 +22,7 @@ def compile_flagship(generation: str, count: int, *, rows: int, num_layers=None,
         program = TrainProgram.build(flagship("pallas_segment", num_layers), LossConfig(),
                                      OptimConfig(decay_steps=1000), parallel, TrainConfig(), rows=rows,
                                      seq_length=T, devices=devices)
-        return program.lower().compile()
+        return program.lower().compile(), parallel, devices
 
 
 def check_compiled(compiled, generation: str) -> None:
@@ -41,9 +42,17 @@ def check_compiled(compiled, generation: str) -> None:
 @pytest.mark.slow
 def test_whole_flagship_step_compiles_for_64_v5p_chips():
     """conf/model/ling3_flagship.yaml as configured (24 layers, kernel=pallas_segment, splash), T=8192, 64
-    rows on fsdp=8 x expert=8 of a v5p:4x4x4 slice."""
-    compiled = compile_flagship("v5p", 64, rows=64, fsdp=8, expert=8)
+    rows on fsdp=8 x expert=8 of a v5p:4x4x4 slice: it compiles, fits, and its FLOPs are within 10% of the model's."""
+    compiled, parallel, devices = compile_flagship("v5p", 64, rows=64, fsdp=8, expert=8)
     check_compiled(compiled, "v5p")
+    # its FLOPs as the planner costs them (loop trips and the mixer cond's layer shares in, Megablox at the rows
+    # it runs) within 10% of train/flops.py's count plus the forward that remat and the chunked heads recompute
+    model, tokens = flagship("pallas_segment"), 64 * T / 64
+    planned = cost.program_cost(compiled.as_text(), chips.chip("v5p"), branch_weights=measure.branch_weights(model),
+                                kernel_share=measure.megablox_share(model, parallel, tokens, devices))
+    analytic = (flops.flops_per_token(model, T) * tokens
+                + measure.remat_flops(model, T, tokens, model.moe.expert_parallel_chunks))
+    assert planned["flops"] == pytest.approx(analytic, rel=0.10), planned["flops"] / analytic
 
 
 GENERATIONS = ("v5e", "v5p", "v6e")   # 8 chips each: v5e / v6e 2x4, v5p 2x2x2
@@ -55,5 +64,5 @@ def test_two_layer_flagship_step_compiles_for_8_chips(generation):
     """The flagship's first two layers (KDA + dense, KDA + MoE) and its MTP layer (MLA + MoE: splash), T=8192,
     8 rows on fsdp=8 (no expert parallelism: v5e's XLA:TPU refuses the ragged all-to-all). On v5p: 389 CPU s of compile on the 2-core host,
     10.9 GiB per device, so not in the default suite."""
-    compiled = compile_flagship(generation, 8, rows=8, num_layers=2, fsdp=8)
+    compiled, _, _ = compile_flagship(generation, 8, rows=8, num_layers=2, fsdp=8)
     check_compiled(compiled, generation)

@@ -4,6 +4,7 @@ tests/train/test_flagship_export.py exports the step (lowering only); here XLA:T
 topology, so Mosaic compiles every kernel inside it and `memory_analysis()` is what a TPU would allocate.
 The whole flagship on 64 v5p chips is slow (its XLA:TPU compile takes 6-8 min on a 2-core host: experiments/plan).
 """
+import jax
 import pytest
 
 from lingpack import backend
@@ -18,7 +19,9 @@ from tests.train.test_flagship_export import KDA, SPLASH, T, flagship
 def compile_flagship(generation: str, count: int, *, rows: int, num_layers=None, **mesh):
     devices = chips.tpu_devices(chips.chip(generation), count)   # the standard slice of `count` chips
     parallel = ParallelConfig(**{"data": 1, "fsdp": 1, "tensor": 1, "expert": 1, "context": 1, **mesh})
-    with backend.target("tpu"):
+    # default precision, as a run compiles it (conftest asks "highest" for CPU numerics; Mosaic refuses an fp32
+    # contraction of bf16 operands)
+    with backend.target("tpu"), jax.default_matmul_precision("default"):
         program = TrainProgram.build(flagship("pallas_segment", num_layers), LossConfig(),
                                      OptimConfig(decay_steps=1000), parallel, TrainConfig(), rows=rows,
                                      seq_length=T, devices=devices)

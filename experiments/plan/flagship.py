@@ -170,8 +170,8 @@ def flops_table(res: dict) -> list[str]:
     lines = ["", "Compiled FLOPs per device (TFLOP, loop trip counts in; the Mosaic kernels by their CostEstimates, "
              "Megablox's at the rows it runs) against the analytic count and its recompute:", "",
              "| | " + " | ".join(plans) + " |", "|---|" + "---:|" * len(plans)]
-    for table in (rows, dict(sorted(parts.items(), key=lambda kv: -kv[1][0])),
-                  dict(sorted(kernels.items(), key=lambda kv: -kv[1][0]))):
+    for table in (rows, dict(sorted(parts.items(), key=lambda kv: (-kv[1][0], kv[0]))),   # ties by name: the
+                  dict(sorted(kernels.items(), key=lambda kv: (-kv[1][0], kv[0])))):     # same text every render
         lines += [f"| {name} | " + " | ".join(tf(v) for v in values) + " |" for name, values in table.items()]
     ratio = [p["step_flops"]["compiled"] / (p["step_flops"]["analytic"] + p["step_flops"]["remat"])
              for p in plans.values()]

@@ -27,6 +27,7 @@ from lingpack.models.mtp import MTPConfig
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.program import TrainProgram
 from lingpack.train.step import accumulate_gradients
+from tests.models.test_remat import dot_flops
 
 B, T, D, V = 2, 24, 16, 100
 
@@ -58,23 +59,6 @@ def test_chunked_xent_equals_whole_vocabulary(chunk, vocab_axis):
     xent, lse = LMHead(h, w, vocab_axis, chunk).xent(targets)
     ref_xent, ref_lse = token_xent(h @ (w if vocab_axis == 1 else w.T), targets)
     assert rel(xent, ref_xent) <= 1e-6 and rel(lse, ref_lse) <= 1e-6
-
-
-def dot_flops(jaxpr) -> int:
-    """2 m n k of every dot_general in a jaxpr, a scan's body times its length, nested jaxprs included."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            depth = np.prod([eqn.invars[0].aval.shape[d] for d in contract])
-            total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(depth)
-        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", None)
-                if inner is not None:
-                    total += times * dot_flops(inner if hasattr(inner, "eqns") else inner.jaxpr)
-    return total
 
 
 @pytest.mark.parametrize("vocab,chunk,columns", [(100, 16, 105), (100, 25, 100), (100, 128, 100),

@@ -131,16 +131,25 @@ def attention_block(cp: ContextParallel, length: int, block: int) -> int:
 
 
 def context_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, *, cp: ContextParallel, scale: float,
-                      block: int = 128, return_stats: bool = False):
+                      block: int = 128, return_stats: bool = False, impl: str = "flash",
+                      interpret: bool | None = None):
     """Causal segment-masked attention of global [B, T, H, *] arrays whose T axis is in `cp`'s layout.
 
     The same mask as kernels/attention (`masks.allowed`) on the ORIGINAL token order. Output in q's dtype,
     [B, T, H, V] in the same layout. `return_stats`: also the tiles each device computed ([devices] int32;
-    ring / usp only; zeros otherwise).
+    ring / usp only; zeros otherwise). `impl`: the attention implementation the model resolved
+    (kernels/attention/api.py `resolve`); "splash" runs the ring strategy's tiles in splash
+    (ring_splash.py; `interpret` as for splash), every other case the XLA tiles of blockwise.py.
     """
     B, T, H, K = q_BTHK.shape
     tiling = Tiling(float(scale), True, *(attention_block(cp, T, block),) * 2)
     U, R = cp.degrees
+    in_splash = impl == "splash" and cp.strategy == "ring"
+    if in_splash:   # Pallas imports only when used
+        from lingpack.kernels.attention.splash import resolve_interpret
+        from lingpack.parallel import ring_splash
+        ring = ring_splash.SplashRing(cp.axis, cp.size, cp.load_balance, float(scale), tiling.block_q,
+                                      resolve_interpret(interpret))
     batch = dividing_axes(cp.mesh, cp.batch_axes, B)
     heads = dividing_axes(cp.mesh, cp.head_axes, H)
     x_spec, seg_spec = P(batch, cp.axis, heads, None), P(batch, cp.axis)
@@ -149,7 +158,11 @@ def context_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, *, cp: ContextPara
 
     def local(q, k, v, seg, index):
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))        # [B, H, T_local, *]
-        if cp.strategy == "ring":
+        if in_splash:
+            o = ring_splash.splash_ring_attention(q, k, v, seg, ring)
+            o = jnp.where((seg != 0)[:, None, :, None], o, 0.0)   # padding outputs 0, as the XLA tiles give
+            count = ring_splash.computed_tiles(ring, q.shape[2], jax.lax.axis_index(cp.axis))
+        elif cp.strategy == "ring":
             o, count = ring_attention(q, k, v, seg, seg, index, index, Ring(cp.axis, R, 1, tiling))
         elif cp.strategy == "all_gather":                           # q stays, the whole K/V row is gathered
             gather = lambda x, dim: jax.lax.all_gather(x, cp.axis, axis=dim, tiled=True)

@@ -9,7 +9,9 @@ twin, time from the roofline of XLA:CPU's fusions; an estimate, labelled as such
 
 Counting rules (lingpack.plan.hlo): a `while` body counts its trip count times; the layer stack's mixer
 `lax.cond` (named scope `models.stack.MIXER_SCOPE`) counts each branch by the share of scanned layers that
-take it (KDA or MLA); any other conditional counts every branch (an upper bound).
+take it (KDA or MLA); the splash ring's step cond (`parallel.ring_splash.STEP_SCOPE`) counts its early-block
+branch only (zigzag: both branches are tiles of the same size; contiguous: the busiest device, whose every
+step is early); any other conditional counts every branch (an upper bound).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def branch_weights(model_cfg):
     `moe.expert_parallel_capacity` hold a balanced load; an overflowing step takes one more round per layer)."""
     from lingpack.models.stack import MIXER_SCOPE
     from lingpack.parallel.expert import OVERFLOW_SCOPE
+    from lingpack.parallel.ring_splash import STEP_SCOPE
     mixer = None
     if hasattr(model_cfg, "scanned_layers"):
         scanned = model_cfg.scanned_layers()
@@ -70,6 +73,8 @@ def branch_weights(model_cfg):
         scopes = scope.split("/")
         if op.opcode == "while" and OVERFLOW_SCOPE in scopes:
             return [0.0]
+        if op.opcode == "conditional" and STEP_SCOPE in scopes:   # inside the mixer's MLA branch: checked first
+            return [0.0, 1.0]   # lax.cond(key block precedes, early, late): branch 1 is the early block
         return mixer if mixer and op.opcode == "conditional" and MIXER_SCOPE in scopes else None
     return weights
 

@@ -32,37 +32,70 @@ TILE = shard.Dims(rows=0, heads=2)   # q, k [B, T, H, K]; v, o [B, T, H, V]
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: bool):
-    base = splash_mask.CausalMask((seq_len, seq_len)) if causal else splash_mask.FullMask((seq_len, seq_len))
+def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: bool, kv_len: int | None = None,
+            residuals: bool = False):
+    """The kernel of a [seq_len, kv_len] mask (kv_len None: square); `residuals`: its forward also returns lse."""
+    shape = (seq_len, kv_len or seq_len)
+    base = splash_mask.CausalMask(shape) if causal else splash_mask.FullMask(shape)
     mask = splash_mask.MultiHeadMask([base] * num_heads)
     sizes = splash_kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                                      block_kv_dq=block)
     with jax.ensure_compile_time_eval():  # mask metadata must be concrete: the kernel is cached across traces
         return splash_kernel.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
-                                             interpret=interpret)
+                                             save_residuals=residuals, interpret=interpret)
 
 
-def computed_tiles(seq_len: int, block: int, causal: bool) -> int:
+def tile_forward(q_HQK, k_HSK, v_HSV, q_seg_Q, kv_seg_S, *, causal: bool, block: int, interpret: bool):
+    """(o [H,Q,V] in q's dtype, lse [H,Q] fp32) of one row's tile, q pre-scaled; causal only for Q == S.
+
+    A query whose keys in the tile are all masked gets lse near the mask value (about -2.4e38) and the mean
+    of v: combined with any real tile its weight exp(lse - lse_total) is exactly 0.
+    """
+    H, Q, _ = q_HQK.shape
+    kernel = _kernel(H, Q, block, causal, interpret, k_HSK.shape[1], True)
+    o, (lse,) = kernel(q_HQK, k_HSK, v_HSV, segment_ids=splash_kernel.SegmentIds(q=q_seg_Q, kv=kv_seg_S))
+    return o, lse
+
+
+def tile_backward(q_HQK, k_HSK, v_HSV, q_seg_Q, kv_seg_S, o_HQV, lse_HQ, do_HQV, *, causal: bool, block: int,
+                  interpret: bool):
+    """(dq, dk, dv) in the inputs' dtypes of one tile given the whole row's o and lse (not the tile's own):
+    probabilities exp(s - lse) and the row term sum(do * o) are then the row's, so the tile's gradients are
+    its exact share of the row's. Splash's own backward kernels (dq, dkv), called with those residuals."""
+    H, Q, _ = q_HQK.shape
+    kernel = _kernel(H, Q, block, causal, interpret, k_HSK.shape[1], True)
+    kw = kernel.kwargs
+    res = (q_HQK, k_HSK, v_HSV, splash_kernel.SegmentIds(q=q_seg_Q, kv=kv_seg_S), None, o_HQV, lse_HQ,
+           kernel.dq_mask_info, kernel.dkv_mask_info)
+    grads = splash_kernel._splash_attention_bwd(False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None,
+                                                kw["mask_function"], kw["attn_logits_soft_cap"], kw["interpret"],
+                                                res, do_HQV.astype(q_HQK.dtype))
+    return grads[3:6]
+
+
+def computed_tiles(seq_len: int, block: int, causal: bool, kv_len: int | None = None) -> int:
     """block x block tiles of one head that the kernels compute: the static mask's nonzero tiles (segment ids
-    mask inside a tile, they skip none)."""
+    mask inside a tile, they skip none). `kv_len`: the keys' length where it differs (a full mask)."""
     n = -(-seq_len // block)
-    return n * (n + 1) // 2 if causal else n * n
+    return n * (n + 1) // 2 if causal else n * -(-(kv_len or seq_len) // block)
 
 
 LANES = 128   # the forward's logsumexp residual is stored lane-broadcast, [T, 128] fp32
 
 
 def cost_estimates(B: int, H: int, T: int, K: int, V: int, *, block: int, causal: bool = True,
-                   itemsize: int = 2) -> dict[str, pl.CostEstimate]:
-    """{kernel name prefix: cost} of the forward, dq and dkv kernels at [B, T, H, K] (v: V), T padded to `block`.
+                   itemsize: int = 2, S: int | None = None) -> dict[str, pl.CostEstimate]:
+    """{kernel name prefix: cost} of the forward, dq and dkv kernels at [B, T, H, K] (v: V), T padded to `block`;
+    `S`: the keys' length where it differs from T (a ring step's full tile, ring_splash.py).
 
     Per computed tile: forward s = q k^T and o += p v (2 b^2 (K + V)); dq recomputes s, forms dp = do v^T and
     dq = ds k (2 b^2 (2K + V)); dkv recomputes s, dv = p^T do, dp, dk = ds^T q (2 b^2 (2K + 2V)); one exp per
     score in each. Bytes: the operand tiles each kernel streams per computed tile, the resident ones once."""
     t_pad = -(-T // block) * block
-    pairs = B * H * computed_tiles(t_pad, block, causal) * block * block   # scores computed
-    streamed = B * H * computed_tiles(t_pad, block, causal) * block * itemsize   # bytes per unit width per tile
+    tiles = computed_tiles(t_pad, block, causal, S)
+    pairs = B * H * tiles * block * block                    # scores computed
+    streamed = B * H * tiles * block * itemsize              # bytes per unit width per tile
     once = B * H * t_pad * itemsize                                            # bytes per unit width, whole T
     lse = B * H * t_pad * LANES * 4
     cost = lambda flops, nbytes: pl.CostEstimate(flops=int(flops), transcendentals=int(pairs),
@@ -94,11 +127,16 @@ splash_on_mesh = shard.over_mesh(splash_local, args=(TILE, TILE, TILE), kwargs={
                                  out=TILE, kernel="splash attention")
 
 
-def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,
-                     block: int = 128, interpret: bool | None = None):
-    interpret = backend.pallas_interpret(
+def resolve_interpret(interpret: bool | None) -> bool:
+    """Whether splash runs in Pallas interpret mode (backend.pallas_interpret: asked for, or on a CPU host)."""
+    return backend.pallas_interpret(
         interpret, kernel="splash attention", alternative="model.attention_impl=auto (pallas_triton)",
         emulate="pass interpret=True to lingpack.kernels.attention.api.attention to emulate it",
         cpu_alternative="model.attention_impl=auto (flash on CPU)")
+
+
+def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,
+                     block: int = 128, interpret: bool | None = None):
+    interpret = resolve_interpret(interpret)
     return splash_on_mesh(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT=segment_ids_BT, scale=float(scale),
                           causal=bool(causal), block=int(block), interpret=bool(interpret))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lingpack import backend
+from lingpack import backend, precision
 from lingpack.kernels.attention import splash
 from lingpack.parallel.context import ContextParallel, context_attention
 from lingpack.parallel.reorder import inverse_permutation
@@ -51,6 +51,17 @@ def test_splash_ring_matches_per_document_oracle(load_balance):
     off = n * n // 2 if load_balance else n * n   # tiles of one step past the local one
     steps = [N - 1] * N if load_balance else list(range(N))   # contiguous: device r computes r such steps
     assert np.asarray(outs[1]).tolist() == [n * (n + 1) // 2 + s * off for s in steps]
+
+
+def test_splash_ring_refuses_what_splash_cannot_run():
+    cp = compiled(True)[1]
+    x = jnp.zeros((2, T, 2, 16), jnp.float32)
+    seg = jnp.ones((2, T), jnp.int32)
+    with pytest.raises(ValueError, match="model.attention_block_size to one"):
+        context_attention(x, x, x, seg, cp=cp, scale=1.0, block=64, impl="splash", interpret=True)
+    with precision.x64(True), pytest.raises(ValueError, match="float64 inputs would be rounded"):
+        jax.eval_shape(lambda a: context_attention(a, a, a, seg, cp=cp, scale=1.0, block=BLOCK, impl="splash",
+                                                   interpret=True), jax.ShapeDtypeStruct(x.shape, jnp.float64))
 
 
 def test_splash_ring_compiles_to_splash_kernels_and_permutes():

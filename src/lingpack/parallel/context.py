@@ -145,6 +145,13 @@ def context_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, *, cp: ContextPara
     tiling = Tiling(float(scale), True, *(attention_block(cp, T, block),) * 2)
     U, R = cp.degrees
     in_splash = impl == "splash" and cp.strategy == "ring"
+    if in_splash and jnp.float64 in (q_BTHK.dtype, k_BTHK.dtype, v_BTHV.dtype):
+        raise ValueError("impl='splash' is a Pallas kernel computing in fp32: float64 inputs would be rounded; use "
+                         "model.attention_impl=flash or auto")
+    if in_splash and tiling.block_q % 128:
+        raise ValueError(f"the splash ring's tile is {tiling.block_q} tokens (model.attention_block_size={block}, capped "
+                         f"at one context-parallel chunk of T={T}); splash needs a multiple of 128: set "
+                         "model.attention_block_size to one and keep T / (2 x context) at least that long")
     if in_splash:   # Pallas imports only when used
         from lingpack.kernels.attention.splash import resolve_interpret
         from lingpack.parallel import ring_splash

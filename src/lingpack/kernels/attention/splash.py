@@ -7,8 +7,8 @@ zeroed afterwards so the shared mask contract holds (padding output is 0).
 
 On a sharded mesh the kernel runs per shard (`kernels/shard.py`: rows over `data, fsdp, expert`, heads
 over `tensor`; XLA cannot partition a Mosaic call), so each shard builds its multi-head mask for its
-local head count. Under context parallelism MLA does not call it (parallel/context.py runs the row's
-attention instead).
+local head count. Under context parallelism the ring calls the tile functions below once per ring step
+(parallel/ring_splash.py) inside its own shard_map.
 
 JAX's splash kernels declare no `pl.CostEstimate` (XLA:TPU's cost analysis counts them as zero FLOPs);
 `cost_estimates` is lingpack's, analytic from the tiles the static causal mask leaves computed, for each of

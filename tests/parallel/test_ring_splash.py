@@ -65,10 +65,10 @@ def test_splash_ring_refuses_what_splash_cannot_run():
 
 
 def test_splash_ring_compiles_to_splash_kernels_and_permutes():
-    """On 8 v5p chips (context=8, zigzag) XLA:TPU compiles the ring to splash kernels only: per device one causal
-    local tile and 7 half tiles, forward, dq and dkv each, and collective-permutes; no all-gather, no XLA tile
-    loop. The cost model reads every splash call's shape (square: causal, else full) and sums to the FLOPs of
-    the tiles the ring computes, with the planner's weights (the early-block branch of each step's cond)."""
+    """On 8 v5p chips (context=8, zigzag) XLA:TPU compiles the ring's tiles to splash kernels: per device one
+    causal local tile and 7 half tiles, forward, dq and dkv each, and collective-permutes; no all-gather. The
+    cost model reads every splash call's shape (square: causal, else full) and sums to the FLOPs of the tiles
+    the ring computes, with the planner's weights (the early-block branch of each step's cond)."""
     H, K, V, B, T_tpu, block = 2, 192, 128, 1, 16384, 512   # MLA's head dims, 2048 tokens per chip
     cp = ContextParallel(make_mesh(ParallelConfig(data=1, context=8), devices=chips.tpu_devices(chips.chip("v5p"), 8)))
 

@@ -118,7 +118,7 @@ def test_trace_reports_an_injected_flip_and_none_without_one(trained, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="fp32 rounding drift: run_parity's 'KimiLinear fp32 routing locked' row "
-                   "measured 8.6e-4 (over 1e-4 from step 28), its float64 row 1.1e-13 over the same 50 "
+                   "measured 1.7e-3 (over 1e-4 from step 28), its float64 row 1.5e-13 over the same 50 "
                    "steps; docs/parity.md")
 def test_routing_locked_fifty_step_parity(tmp_path):
     from lingpack.parity.harness import RoutingRecorder, run_parity

@@ -350,7 +350,8 @@ class MoE(nnx.Module):
         def experts_fn(w, x_MD, sizes):   # the experts held here (all E, or this device's E / EP under `ep`)
             mm = lambda a, w_KF, out: grouped(a, w_KF.astype(self.dtype), sizes, preferred_element_type=out)
             # gate and up projections as one grouped matmul of [D, 2F] weights: x's rows are read once, and its
-            # cotangent is one matmul rather than the sum of two (each column's sum is the same as apart)
+            # cotangent is one matmul rather than the sum of two (the same dot products; XLA may order their sums
+            # differently, docs/parity.md)
             F = w[0].shape[-1]
             gate_up = mm(x_MD, jnp.concatenate([w[0], w[1]], axis=-1), wide)
             h = (jax.nn.silu(tag(gate_up[:, :F], "mlpwi_0")) * tag(gate_up[:, F:], "mlpwi_1")).astype(self.dtype)

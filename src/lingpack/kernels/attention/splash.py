@@ -11,8 +11,8 @@ local head count. Under context parallelism the ring calls the tile functions be
 (parallel/ring_splash.py) inside its own shard_map.
 
 JAX's splash kernels declare no `pl.CostEstimate` (XLA:TPU's cost analysis counts them as zero FLOPs);
-`cost_estimates` is lingpack's, analytic from the tiles the static causal mask leaves computed, for each of
-the three kernels a training step runs (forward, dq, dkv), keyed by the kernels' names.
+`cost_estimates` is lingpack's, analytic from the tiles the static mask (causal, or a ring step's full tile)
+leaves computed, for each of the three kernels a training step runs (forward, dq, dkv), keyed by their names.
 """
 
 from __future__ import annotations

@@ -175,8 +175,9 @@ def layer_one_round_part() -> list[dict]:
 def receive_rows(row: dict, experts: int = 128, top_k: int = 8) -> int:
     """Rows of one round's receive buffer for a layer row (its mesh and settings; the flagship's experts)."""
     R, kw = row["mesh"]["expert"], row["settings"]
-    M = TOKENS_PER_DEVICE * top_k // kw["expert_parallel_chunks"]
-    return expert.buffer_rows(M, R, experts // R, top_k, kw["expert_parallel_capacity"], "ragged")[1]
+    M = expert.padded_rows(TOKENS_PER_DEVICE * top_k // kw["expert_parallel_chunks"], experts, expert.UNIT)
+    units = expert.buffer_rows(M, R, experts // R, top_k, kw["expert_parallel_capacity"], "ragged", expert.UNIT)[1]
+    return units * expert.UNIT
 
 
 def v5e_part() -> list[dict]:

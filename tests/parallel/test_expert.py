@@ -161,22 +161,27 @@ def test_ragged_all_to_all_on_accelerators():
     assert expert.RAGGED_ALL_TO_ALL not in fn.lower(*args).as_text()
 
 
-def _rounds_wanted(cfg, load_E, tokens_per_device: int, R: int, exchange: str) -> int:
-    """The rounds a one-expert-per-device (E = R) dispatch takes: each device's whole load in windows."""
-    M = tokens_per_device * cfg.top_k
-    window, _, _ = expert.buffer_rows(M, R, cfg.num_experts // R, cfg.top_k, cfg.expert_parallel_capacity, exchange)
-    assert exchange == "ragged" and cfg.num_experts == R   # a device's receive stream is its expert's load
-    return max(1, int(np.max(-(-np.asarray(load_E) // window))))
+def _skewed_rounds(cfg, tokens_per_device: int, R: int, exchange: str, unit: int) -> int:
+    """The rounds a one-expert-per-device (E = R) dispatch takes when every token chose one expert: each
+    sender sends that expert's device all its tokens, ceil(tokens / unit) units, and no device more."""
+    assert cfg.num_experts == R
+    M = expert.padded_rows(tokens_per_device * cfg.top_k, cfg.num_experts, unit)
+    window = expert.buffer_rows(M, R, 1, cfg.top_k, cfg.expert_parallel_capacity, exchange, unit)[0]
+    stream = -(-tokens_per_device // unit) * (R if exchange == "ragged" else 1)   # one receiver's, one pair's
+    return -(-stream // window)
 
 
 @pytest.mark.parametrize("exchange", ["ragged", "dense"])
-@pytest.mark.parametrize("skew", [None, 5], ids=["balanced", "skewed"])
-def test_capacity_buffers_equal_one_device(exchange, skew, monkeypatch):
+@pytest.mark.parametrize("skew, unit", [(None, expert.UNIT), (5, expert.UNIT), (5, 2)],
+                         ids=["balanced", "skewed", "skewed-unit2"])
+def test_capacity_buffers_equal_one_device(exchange, skew, unit, monkeypatch):
     """EP=8 with receive buffers of 1.25x the balanced load: outputs and gradients equal one device; all
-    tokens sent to one expert overflow and take further rounds, every row still computed. The exchange
-    buffers start as NaN, where TPU's `lax.empty` leaves whatever memory held (CPU's is zeros): no row that
-    was not received or written reaches an output or a gradient."""
+    tokens sent to one expert take the rounds their units call for, every row still computed (in units of 2
+    rows they overflow: 16 rows are one unit of 16, whose padding bound leaves these 16 tokens a device
+    room). The exchange buffers start as NaN, where TPU's `lax.empty` leaves whatever memory held (CPU's is
+    zeros): no row that was not received or written reaches an output or a gradient."""
     monkeypatch.setattr(expert, "_scratch", lambda shape, dtype: jnp.full(shape, jnp.nan, dtype))
+    monkeypatch.setattr(expert, "UNIT", unit)
     cfg = dataclasses.replace(CFG, expert_parallel_exchange=exchange, expert_parallel_capacity=1.25)
     got, _, _ = _layer_grads(cfg, ParallelConfig(data=1, expert=8), padding=0, skew=skew)
     ref = _layer_grads(cfg, None, padding=0, skew=skew)[0]
@@ -186,9 +191,8 @@ def test_capacity_buffers_equal_one_device(exchange, skew, monkeypatch):
         assert ref[1][4] == 1 and rounds >= 1
     else:
         assert load_E[skew] == B * T   # every token chose expert `skew`: device 5 receives 8x a balanced load
-        assert rounds > 1, rounds
-    if exchange == "ragged":
-        assert rounds == _rounds_wanted(cfg, load_E, B * T // 8, 8, exchange), (rounds, load_E)
+        assert rounds == _skewed_rounds(cfg, B * T // 8, 8, exchange, unit), rounds
+        assert rounds > 1 or unit == expert.UNIT, rounds
 
 
 @pytest.mark.slow   # Megablox in interpret mode, 5-9 s a case; the masked path's NaN buffers: the capacity tests above
@@ -201,16 +205,19 @@ def test_megablox_takes_the_receive_buffers_unmasked(skew, monkeypatch):
     cfg = dataclasses.replace(CFG, grouped_matmul="megablox")
     got, fn, args = _layer_grads(cfg, ParallelConfig(data=1, expert=8), padding=0, skew=skew)
     exchange = backend.expert_exchange(jax.devices()[:8])   # CPU: the dense one
-    rows = expert.buffer_rows(B * T // 8 * CFG.top_k, 8, 1, CFG.top_k, CFG.expert_parallel_capacity, exchange)[1]
+    M = expert.padded_rows(B * T // 8 * CFG.top_k, CFG.num_experts, expert.UNIT)
+    rows = expert.buffer_rows(M, 8, 1, CFG.top_k, CFG.expert_parallel_capacity, exchange, expert.UNIT)[1] * expert.UNIT
     selects = re.findall(r"stablehlo\.select [^:\n]*: tensor<(\d+)x\d+xi1>", fn.lower(*args).as_text())
     assert selects and str(rows) not in selects, (rows, selects)   # no mask over a receive buffer's rows
     _assert_equal(got, _layer_grads(dataclasses.replace(CFG, grouped_matmul="tiled"), None, padding=0, skew=skew)[0])
 
 
 @pytest.mark.slow   # both exchanges equal one device in the default suite's skewed case already
-def test_dense_exchange_equals_ragged():
+def test_dense_exchange_equals_ragged(monkeypatch):
     """The two exchanges (dense all_to_all of capacity buffers; the ragged one's CPU stand-in) give the same
-    outputs and gradients on skewed routing, with a capacity under the balanced load (more rounds still)."""
+    outputs and gradients on skewed routing, with a capacity under the balanced load (more rounds still, in
+    units of 2 rows: a unit of 16 holds all 16 tokens a device has here)."""
+    monkeypatch.setattr(expert, "UNIT", 2)
     runs = [_layer_grads(dataclasses.replace(CFG, expert_parallel_exchange=exchange, expert_parallel_capacity=0.5),
                          ParallelConfig(data=2, expert=4), skew=3)[0] for exchange in ("ragged", "dense")]
     _assert_equal(*runs)

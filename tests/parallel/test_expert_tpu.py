@@ -18,6 +18,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other test processes
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -76,9 +77,10 @@ def test_exchange_follows_the_chip():
     assert backend.expert_exchange(jax.devices()) == "dense"   # CPU: no ragged all-to-all
 
 
-def _compile_dispatch(devices, exchange: str) -> str:
+def _compile_dispatch(devices, exchange: str, unit: int = expert.UNIT) -> str:
     """Compiled HLO of `expert.dispatch`'s forward + backward over all `devices` as the EP group (XLA:TPU),
-    data x 8 (data over the rest): 64 tokens per device, top-2 of 8 experts, one per device."""
+    data x 8 (data over the rest): 64 tokens per device, top-2 of 8 experts, one per device, rows in units of
+    `unit`."""
     mesh = Mesh(np.array(devices).reshape(-1, 8), ("data", "ep"))
     rows, E, width = 64 * 2, 8, 128
 
@@ -87,7 +89,8 @@ def _compile_dispatch(devices, exchange: str) -> str:
 
     def loss(x, w, sizes):
         def local(x, w, sizes):
-            y, rounds = expert.dispatch(x, sizes[0], experts, w, axis_name="ep", top_k=2, exchange=exchange)
+            y, rounds = expert.dispatch(x, sizes[0], experts, w, axis_name="ep", top_k=2, unit=unit,
+                                        exchange=exchange)
             return jnp.sum(y.astype(jnp.float32))[None] + rounds
         per_device = jax.shard_map(local, mesh=mesh, in_specs=(P(("data", "ep")), P("ep"), P(("data", "ep"))),
                                    out_specs=P(("data", "ep")), check_vma=False)(x, w, sizes)
@@ -105,14 +108,39 @@ def test_v5e_dispatch_compiles_dense_and_refuses_ragged():
     v5e = _devices("v5e:4x8")
     with backend.target("tpu"):
         exchange = backend.expert_exchange(v5e)
-    text = _compile_dispatch(v5e, exchange)
+    text = _compile_dispatch(v5e, exchange, unit=1)   # ragged_dot's experts: rows one by one (models/moe.py)
     assert " all-to-all(" in text and "ragged-all-to-all" not in text
     with pytest.raises(Exception, match="Ragged all-to-all is currently not supported in limited ICI routing"):
-        _compile_dispatch(v5e, "ragged")
+        _compile_dispatch(v5e, "ragged", unit=1)
 
 
-def test_v5p_dispatch_compiles_ragged():
-    assert "ragged-all-to-all" in _compile_dispatch(_devices("v5p:2x2x2"), "ragged")
+def test_v5e_refuses_ragged_dot_weight_gradients_on_units():
+    """Why the MoE sends rows one by one when XLA:TPU's ragged_dot runs the experts: on v5e its weight
+    gradient does not compile on unit-shaped buffers (if a libtpu fixes it, this test says so)."""
+    with pytest.raises(Exception, match="mask_aggregator"):
+        _compile_dispatch(_devices("v5e:2x4"), "ragged")
+
+
+def _exchanged(text: str) -> tuple[list[str], list[str]]:
+    """(the shapes with layouts the ragged all-to-alls move, those of the bf16 copies) in compiled HLO."""
+    return re.findall(r"= (\S+) ragged-all-to-all\(", text), re.findall(r"= (bf16\S+) copy\(", text)
+
+
+def test_v5p_dispatch_exchanges_units_in_the_kernels_layout():
+    """Rows in units of 16 travel in the (8, 128)(2, 1) tiles every kernel reads: no relayout copy of an
+    exchange buffer on either side."""
+    moved, copies = _exchanged(_compile_dispatch(_devices("v5p:2x2x2"), "ragged"))
+    assert len(moved) == 6 and all(re.fullmatch(r"bf16\[\d+,16,128\]\{2,1,0:T\(8,128\)\(2,1\)\}", m) for m in moved), moved
+    assert not [c for c in copies if "T(2,128)" in c or re.match(r"bf16\[\d+,(1|16),", c)], copies
+
+
+@pytest.mark.slow
+def test_v5p_dispatch_of_single_rows_copies_around_the_exchange():
+    """The fact the units rest on: rows exchanged one by one are row-contiguous (2, 128) tiles, and XLA:TPU
+    copies every exchange buffer to and from the kernels' tiles (if a libtpu stops doing so, this says so)."""
+    moved, copies = _exchanged(_compile_dispatch(_devices("v5p:2x2x2"), "ragged", unit=1))
+    assert moved and all("T(2,128)" in m for m in moved), moved
+    assert len([c for c in copies if re.match(r"bf16\[(128|160),1,128\]\{2,0,1:T\(8,128\)", c)]) >= 4, copies
 
 
 @pytest.mark.slow

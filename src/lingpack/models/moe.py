@@ -176,23 +176,26 @@ def megablox_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: ja
 
 
 @jax.custom_vjp
-def sort_rows(x_ND: jax.Array, order_M: jax.Array, inverse_M: jax.Array) -> jax.Array:
-    """x_ND[order_M // k]: each of the N rows k times (k = M / N), in the order of the permutation `order_M` of
-    the N*k (row, copy) pairs, whose inverse is `inverse_M`. Its backward is a gather too (XLA transposes a
-    gather into a scatter-add): copy j of row n took place inverse_M[n*k + j]."""
-    return x_ND[order_M // (order_M.shape[0] // x_ND.shape[0])]
+def sort_rows(x_ND: jax.Array, from_P: jax.Array, to_M: jax.Array) -> jax.Array:
+    """Each of the N rows k times (k = M / N) in a sorted order of P >= M places: place p holds copy
+    from_P[p] % k of row from_P[p] // k, where from_P[p] = M (padding) the last row (some finite row: a zero
+    fill would cost XLA:TPU a select over the rows, and `take_rows` zeroes their cotangents instead); copy j
+    of row n takes place to_M[n*k + j]. Its backward is a gather too (XLA transposes a gather into a
+    scatter-add)."""
+    N = x_ND.shape[0]
+    return x_ND[jnp.minimum(from_P // (to_M.shape[0] // N), N - 1)]
 
 
-def _sort_rows_fwd(x_ND, order_M, inverse_M):
-    # residuals: the inverse, and x's row count and dtype as an empty [N, 0] array
-    return sort_rows(x_ND, order_M, inverse_M), (inverse_M, x_ND[:, :0])
+def _sort_rows_fwd(x_ND, from_P, to_M):
+    # residuals: the places, and x's row count and dtype as an empty [N, 0] array
+    return sort_rows(x_ND, from_P, to_M), (to_M, x_ND[:, :0])
 
 
-def _sort_rows_bwd(res, g_MD):
-    inverse_M, like_N0 = res
-    (M, D), N = g_MD.shape, like_N0.shape[0]
+def _sort_rows_bwd(res, g_PD):
+    to_M, like_N0 = res
+    M, D, N = to_M.shape[0], g_PD.shape[1], like_N0.shape[0]
     # the k copies' cotangents summed in fp32 at least
-    sums_ND = g_MD[inverse_M].reshape(N, M // N, D).astype(at_least_fp32(g_MD.dtype)).sum(1)
+    sums_ND = g_PD[to_M].reshape(N, M // N, D).astype(at_least_fp32(g_PD.dtype)).sum(1)
     return sums_ND.astype(like_N0.dtype), None, None
 
 
@@ -200,13 +203,15 @@ sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
 
 
 @jax.custom_vjp
-def permute_rows(x_MD: jax.Array, to_M: jax.Array, back_M: jax.Array) -> jax.Array:
-    """x_MD[to_M] for a permutation `to_M` whose inverse is `back_M`: the backward gathers by `back_M` (where
-    XLA's transpose of a gather scatter-adds into a zero buffer)."""
-    return x_MD[to_M]
+def take_rows(x_PD: jax.Array, to_M: jax.Array, from_P: jax.Array) -> jax.Array:
+    """x_PD[to_M] for distinct places `to_M`, where from_P[to_M[m]] = m and from_P is M at the places no row
+    takes: the backward gathers by `from_P`, zeros there (where XLA's transpose of a gather scatter-adds
+    into a zero buffer)."""
+    return x_PD[to_M]
 
 
-permute_rows.defvjp(lambda x, to, back: (x[to], back), lambda back, g: (g[back], None, None))
+# the backward: a zero row where `back` is past the end
+take_rows.defvjp(lambda x, to, back: (x[to], back), lambda back, g: (g.at[back].get(mode="fill", fill_value=0), None, None))
 
 
 def _token_mapping(B: int, T: int):
@@ -334,12 +339,20 @@ class MoE(nnx.Module):
         flat_expert = idx_NK.reshape(-1)
         order = jnp.argsort(flat_expert, stable=True)
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=order.dtype))
-        x_sorted = sort_rows(x_ND, order, inverse).astype(self.dtype)
         group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
         choice = self.cfg.grouped_matmul
         if choice == "auto":   # Megablox where it tiles the widths, XLA:TPU's ragged_dot for narrower ones
             choice = GROUPED_MATMUL_AUTO[backend.current()]
             choice = "ragged_dot" if choice == "megablox" and megablox_tile(D, self.cfg.expert_dim) is None else choice
+        # under `ep` rows travel in units (parallel/expert.py): each expert's rows padded with rows to whole
+        # units; not for ragged_dot, whose weight gradient XLA:TPU fails to compile for v5e on unit-shaped
+        # buffers (libtpu 0.0.42: a RET_CHECK in mask_aggregator.cc; tests/parallel/test_expert_tpu.py)
+        unit = expert.UNIT if ep and choice != "ragged_dot" else 1
+        if unit > 1:
+            to, back, group_sizes = expert.unit_layout(flat_expert, inverse, group_sizes, unit)
+        else:
+            to, back = inverse, order
+        x_sorted = sort_rows(x_ND, back, to).astype(self.dtype)
         grouped = {"tiled": tiled_grouped_matmul, "megablox": megablox_grouped_matmul,
                    "ragged_dot": jax.lax.ragged_dot}[choice]
         # under `ep` a receive buffer's free rows are never read back: Megablox may leave them as they come
@@ -361,11 +374,11 @@ class MoE(nnx.Module):
 
         if ep:
             y_sorted, rounds = expert.dispatch(x_sorted, group_sizes, experts_fn, (wi_gate, wi_up, wo), axis_name=ep,
-                                               top_k=k, capacity=self.cfg.expert_parallel_capacity, exchange=exchange,
-                                               masked=not unmasked)
+                                               top_k=k, unit=unit, capacity=self.cfg.expert_parallel_capacity,
+                                               exchange=exchange, masked=not unmasked)
         else:
             y_sorted, rounds = experts_fn((wi_gate, wi_up, wo), x_sorted, group_sizes), jnp.ones((), jnp.int32)
-        y_NKD = permute_rows(y_sorted, inverse, order).reshape(N, k, D)
+        y_NKD = take_rows(y_sorted, to, back).reshape(N, k, D)
         # the weighted sum over the top-k accumulates in fp32 (float64 for float64)
         y_ND = jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(wide), preferred_element_type=wide)
         return y_ND.astype(self.dtype), rounds

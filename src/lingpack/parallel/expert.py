@@ -11,6 +11,15 @@ consecutive experts each), `dispatch` then
 3. runs the local experts' grouped matmuls on what arrived,
 4. sends each result row back into the sender's sorted order, where the MoE combines as on one device.
 
+Rows travel in units of `unit` rows (`UNIT` in the MoE, models/moe.py): each expert's group of sorted rows is padded
+with rows to whole units (`unit_layout`), and the exchanges move [units, unit, D] arrays. A ragged
+all-to-all's operands must keep their leading dimension row-contiguous; for [rows, D] XLA:TPU then lays
+them out in (2, 128) tiles and copies them to and from the (16, 128) tiles of the kernels on both sides of
+every exchange (about 10 ms a copy for the flagship's 81,920 x 1,536 buffers), while a [units, 16, D]
+array is row-contiguous by unit in the kernels' own layout (docs/parallelism.md). Padding rows hold copies of
+real rows (finite values); their outputs are never read back and their cotangents are zeros, so they add
+nothing to a weight gradient.
+
 Receive buffers are sized by a capacity factor over the balanced load, not for the worst case: balanced
 routing sends every device M rows, M / R from each sender. Two exchanges:
 
@@ -53,7 +62,27 @@ from lingpack.parallel.layout import axis_tuple
 
 RAGGED_ALL_TO_ALL = "ragged_all_to_all"   # its StableHLO custom-call target (jax.export waives its check by name)
 EXCHANGES = ("ragged", "dense")
-ALIGN = 8   # window rows are a multiple of this (the sublane count); of 128 (the MXU edge) from 1024 rows on
+ALIGN = 8   # window rows are a multiple of this (the sublane count); of 128 (the MXU edge) from 1024 rows on,
+            # of 512 (Megablox's row tile: no pad of the buffer before its kernels) from 8192 on
+UNIT = 16   # rows an exchange unit holds under expert parallelism: the rows of one bf16 (16, 128) tile
+
+
+def padded_rows(M: int, E: int, unit: int) -> int:
+    """Rows of M sorted rows once each of E groups is padded to whole units: a static bound, since the sum of
+    ceil(size / unit) over the groups is at most (M + E (unit - 1)) / unit."""
+    return (M + E * (unit - 1)) // unit * unit
+
+
+def unit_layout(expert_M: jax.Array, inverse_M: jax.Array, sizes_E: jax.Array, unit: int):
+    """(to_M, from_P, padded sizes [E]) for M rows of experts `expert_M` whose place in the expert-sorted
+    order is `inverse_M`, each expert's group padded with rows to a multiple of `unit`: to_M is each row's
+    place in the padded order, from_P the row at each of the padded_rows(M, E, unit) places (M where it is
+    padding). With unit 1 these are the sort's own inverse and order."""
+    M, E = expert_M.shape[0], sizes_E.shape[0]
+    padded_E = -(-sizes_E // unit) * unit
+    to_M = (_exclusive_cumsum(padded_E) - _exclusive_cumsum(sizes_E))[expert_M] + inverse_M
+    from_P = jnp.full((padded_rows(M, E, unit),), M, inverse_M.dtype).at[to_M].set(jnp.arange(M, dtype=inverse_M.dtype))
+    return to_M, from_P, padded_E
 
 
 def ep_axes(expert_spec_entry, token_axes: set):
@@ -120,6 +149,14 @@ def _on_received(experts_fn, masked: bool, params, x_RD, sizes_L):
     return jnp.where(live_R1, y_RF, jnp.zeros((), y_RF.dtype))
 
 
+def _in_units(experts_fn, masked: bool, params, x_VUD, sizes_L):
+    """`_on_received` on a receive buffer of V units of U rows, `sizes_L` counted in units; the result in units.
+    The reshapes keep XLA:TPU's tiled layout (a unit is whole tiles): no copy."""
+    V, U = x_VUD.shape[:2]
+    y_RF = _on_received(experts_fn, masked, params, x_VUD.reshape(V * U, *x_VUD.shape[2:]), sizes_L * U)
+    return y_RF.reshape(V, U, *y_RF.shape[1:])
+
+
 def _move(operand, output, slices, *, axis_name, ragged: bool, pair_rows: int):
     """One exchange of `slices` (input offsets, send sizes, output offsets, receive sizes): XLA's ragged
     all-to-all when `ragged` and not on CPU, else `dense_ragged_all_to_all` with `pair_rows` per device."""
@@ -128,29 +165,37 @@ def _move(operand, output, slices, *, axis_name, ragged: bool, pair_rows: int):
     return dense_ragged_all_to_all(operand, output, *slices, axis_name=axis_name, capacity=pair_rows)
 
 
-def buffer_rows(M: int, R: int, local: int, top_k: int, capacity: float, exchange: str) -> tuple[int, int, int]:
-    """(window, receive buffer rows, rows one device sends one device per round) for M sorted rows a device
-    sends, R devices holding `local` experts each, a `capacity` factor over the balanced load.
+def buffer_rows(M: int, R: int, local: int, top_k: int, capacity: float, exchange: str,
+                unit: int = 1) -> tuple[int, int, int]:
+    """(window, receive buffer, what one device sends one device per round), in units of `unit` rows, for M
+    sorted rows a device sends (groups padded to whole units: `padded_rows`), R devices holding `local`
+    experts each, a `capacity` factor over the balanced load.
 
     The worst case caps all three: one device can send one device at most M / top_k * min(top_k, local)
-    rows (each token's distinct experts), so no window grows past what can ever arrive."""
-    pair_worst = M // top_k * min(top_k, local)
-    align = lambda rows: -(-rows // (128 if rows >= 1024 else ALIGN)) * (128 if rows >= 1024 else ALIGN)
+    rows (each token's distinct experts), plus a unit's padding per expert, so no window grows past what can
+    ever arrive."""
+    units = M // unit
+    if unit == 1:
+        pair_worst = M // top_k * min(top_k, local)
+    else:   # M / unit units bound the tokens' N top_k / unit; the padding adds less than one unit per expert
+        pair_worst = min(units, -(-units * min(top_k, local) // top_k) + local)
+    step = lambda rows: 512 if rows >= 8192 else 128 if rows >= 1024 else ALIGN
+    to_units = lambda rows: -(-(-(-rows // step(rows)) * step(rows)) // unit)
     if exchange == "ragged":
-        window = min(align(math.ceil(capacity * M)), R * pair_worst)
+        window = min(to_units(math.ceil(capacity * M)), R * pair_worst)
         return window, window, min(window, pair_worst)
-    window = min(align(math.ceil(capacity * M / R)), pair_worst)
+    window = min(to_units(math.ceil(capacity * M / R)), pair_worst)
     return window, R * window, window
 
 
 class _Plan:
     """Who sends what to whom in each round, from the [R, E] counts table (identical on every device)."""
 
-    def __init__(self, counts_SE, M: int, top_k: int, capacity: float, exchange: str, axis_name):
-        R, E = counts_SE.shape
+    def __init__(self, counts_SE, M: int, top_k: int, capacity: float, exchange: str, axis_name, unit: int = 1):
+        R, E = counts_SE.shape   # counts in units
         L = E // R
         self.R, self.E, self.L, self.me = R, E, L, jax.lax.axis_index(axis_name)
-        self.window, self.rows, self.pair_rows = buffer_rows(M, R, L, top_k, capacity, exchange)
+        self.window, self.rows, self.pair_rows = buffer_rows(M, R, L, top_k, capacity, exchange, unit)
         self.counts_SJL = counts_SE.reshape(R, R, L)                        # sender, holder, holder's expert
         self.start_SE = _exclusive_cumsum(counts_SE)                        # each sender's sorted-row offsets
         if exchange == "ragged":   # position in the order rows arrive at the holder: experts first, then senders
@@ -189,77 +234,80 @@ def _rounds_loop(first, rest, rounds, carry):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
-def _dispatch(experts_fn, params, x_MD, counts_SE, static):
-    return _forward(experts_fn, params, x_MD, counts_SE, static)[0]
+def _dispatch(experts_fn, params, x_MUD, counts_SE, static):
+    return _forward(experts_fn, params, x_MUD, counts_SE, static)[0]
 
 
-def _forward(experts_fn, params, x_MD, counts_SE, static):
+def _forward(experts_fn, params, x_MUD, counts_SE, static):
+    """x_MUD: M units of U rows each; counts_SE and every slice counted in units."""
     axis_name, top_k, capacity, exchange, masked = static
-    plan = _Plan(counts_SE, x_MD.shape[0], top_k, capacity, exchange, axis_name)
+    (M, U), tail = x_MUD.shape[:2], x_MUD.shape[1:]
+    plan = _Plan(counts_SE, M * U, top_k, capacity, exchange, axis_name, U)
     move = functools.partial(_move, axis_name=axis_name, ragged=exchange == "ragged", pair_rows=plan.pair_rows)
-    experts_fn = functools.partial(_on_received, experts_fn, masked)
-    rows_shape = jax.ShapeDtypeStruct((plan.rows, x_MD.shape[1]), x_MD.dtype)
-    out_D = jax.eval_shape(experts_fn, params, rows_shape, jnp.zeros((plan.L,), jnp.int32)).shape[1]
+    experts_fn = functools.partial(_in_units, experts_fn, masked)
+    rows_shape = jax.ShapeDtypeStruct((plan.rows, *tail), x_MUD.dtype)
+    out_tail = jax.eval_shape(experts_fn, params, rows_shape, jnp.zeros((plan.L,), jnp.int32)).shape[1:]
     kept = []
 
-    def one_round(r, y_MD, keep=False):
+    def one_round(r, y_MUF, keep=False):
         forward, backward, sizes_L = plan.round(r)
-        x_buf = move(x_MD, _scratch(rows_shape.shape, x_MD.dtype), forward)
+        x_buf = move(x_MUD, _scratch(rows_shape.shape, x_MUD.dtype), forward)
         if keep:   # round 0's residuals serve the backward (no recompute in the common one-round case)
             y_buf, vjp = jax.vjp(lambda p, x: experts_fn(p, x, sizes_L), params, x_buf)
             kept.append(vjp)
         else:
             y_buf = experts_fn(params, x_buf, sizes_L)
-        return move(y_buf.astype(x_MD.dtype), y_MD, backward)
+        return move(y_buf.astype(x_MUD.dtype), y_MUF, backward)
 
-    y_MD = _rounds_loop(lambda y: one_round(0, y, keep=True), one_round, plan.rounds,
-                        _scratch((x_MD.shape[0], out_D), x_MD.dtype))
-    return y_MD, (params, x_MD, counts_SE, kept[0])
-
-
-def _dispatch_fwd(experts_fn, params, x_MD, counts_SE, static):
-    return _forward(experts_fn, params, x_MD, counts_SE, static)
+    y_MUF = _rounds_loop(lambda y: one_round(0, y, keep=True), one_round, plan.rounds,
+                         _scratch((M, *out_tail), x_MUD.dtype))
+    return y_MUF, (params, x_MUD, counts_SE, kept[0])
 
 
-def _dispatch_bwd(experts_fn, static, residuals, dy_MD):
+def _dispatch_fwd(experts_fn, params, x_MUD, counts_SE, static):
+    return _forward(experts_fn, params, x_MUD, counts_SE, static)
+
+
+def _dispatch_bwd(experts_fn, static, residuals, dy_MUF):
     axis_name, top_k, capacity, exchange, masked = static
-    params, x_MD, counts_SE, vjp0 = residuals
-    experts_fn = functools.partial(_on_received, experts_fn, masked)
-    plan = _Plan(counts_SE, x_MD.shape[0], top_k, capacity, exchange, axis_name)
+    params, x_MUD, counts_SE, vjp0 = residuals
+    experts_fn = functools.partial(_in_units, experts_fn, masked)
+    plan = _Plan(counts_SE, x_MUD.shape[0] * x_MUD.shape[1], top_k, capacity, exchange, axis_name, x_MUD.shape[1])
     move = functools.partial(_move, axis_name=axis_name, ragged=exchange == "ragged", pair_rows=plan.pair_rows)
-    D, out_D = x_MD.shape[1], dy_MD.shape[1]
-    dy_MD = dy_MD.astype(x_MD.dtype)   # cotangents travel in the compute dtype, as the outputs did
+    tail, out_tail = x_MUD.shape[1:], dy_MUF.shape[1:]
+    dy_MUF = dy_MUF.astype(x_MUD.dtype)   # cotangents travel in the compute dtype, as the outputs did
 
     def first(carry):
-        dx_MD, dp = carry
+        dx_MUD, dp = carry
         forward, backward, _ = plan.round(0)
-        dp_r, dx_buf = vjp0(move(dy_MD, _scratch((plan.rows, out_D), dy_MD.dtype), forward))
-        return move(dx_buf.astype(x_MD.dtype), dx_MD, backward), jax.tree.map(jnp.add, dp, dp_r)
+        dp_r, dx_buf = vjp0(move(dy_MUF, _scratch((plan.rows, *out_tail), dy_MUF.dtype), forward))
+        return move(dx_buf.astype(x_MUD.dtype), dx_MUD, backward), jax.tree.map(jnp.add, dp, dp_r)
 
     def rest(r, carry):   # an overflow round: exchange its inputs and cotangents, recompute its experts
-        dx_MD, dp = carry
+        dx_MUD, dp = carry
         forward, backward, sizes_L = plan.round(r)
         # two exchanges, not one of [x, dy]: XLA hoists a loop-invariant concatenation out of the (usually
         # never taken) loop, into every step
-        x_buf = move(x_MD, _scratch((plan.rows, D), x_MD.dtype), forward)
-        dy_buf = move(dy_MD, _scratch((plan.rows, out_D), dy_MD.dtype), forward)
+        x_buf = move(x_MUD, _scratch((plan.rows, *tail), x_MUD.dtype), forward)
+        dy_buf = move(dy_MUF, _scratch((plan.rows, *out_tail), dy_MUF.dtype), forward)
         _, vjp = jax.vjp(lambda p, x: experts_fn(p, x, sizes_L), params, x_buf)
         dp_r, dx_buf = vjp(dy_buf)
-        return move(dx_buf.astype(x_MD.dtype), dx_MD, backward), jax.tree.map(jnp.add, dp, dp_r)
+        return move(dx_buf.astype(x_MUD.dtype), dx_MUD, backward), jax.tree.map(jnp.add, dp, dp_r)
 
-    start = (_scratch(x_MD.shape, x_MD.dtype), jax.tree.map(jnp.zeros_like, params))   # every dx row is written
-    dx_MD, dparams = _rounds_loop(first, rest, plan.rounds, start)
-    return dparams, dx_MD, None
+    start = (_scratch(x_MUD.shape, x_MUD.dtype), jax.tree.map(jnp.zeros_like, params))   # every dx row is written
+    dx_MUD, dparams = _rounds_loop(first, rest, plan.rounds, start)
+    return dparams, dx_MUD, None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, params, *, axis_name, top_k: int = 1,
+def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, params, *, axis_name, top_k: int = 1, unit: int = 1,
              capacity: float = 1.25, exchange: str = "ragged", masked: bool = True) -> tuple[jax.Array, jax.Array]:
     """(expert outputs of the rows `x_MD`, in x's dtype and order; rounds taken, int32) where `x_MD` is
     sorted by global expert (`sizes_E` rows each) and the experts live on the devices of `axis_name` (the EP
-    group; call inside a shard_map over it).
+    group; call inside a shard_map over it). Rows travel in units of `unit` (module docstring): every group
+    size is then a multiple of `unit` (`unit_layout`), its padding rows finite, their cotangents zeros.
 
     `experts_fn(params, x_LD, group_sizes_L)` runs this device's E / R local experts (`params`, a pytree)
     on rows sorted by local expert; rows past sum(group_sizes_L) are buffer space, never sent back. `masked`:
@@ -270,10 +318,14 @@ def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, params, *, axis_na
     """
     if exchange not in EXCHANGES:
         raise ConfigError(f"expert exchange {exchange!r} is not one of {EXCHANGES}")
-    counts_SE = jax.lax.all_gather(sizes_E.astype(jnp.int32), axis_name)   # [R senders, E]: row s = s's counts
+    (M, D), U = x_MD.shape, unit
+    if M % U:
+        raise ValueError(f"expert dispatch: {M} rows are not whole units of {U} (models/moe.py pads the groups)")
+    counts_SE = jax.lax.all_gather(sizes_E.astype(jnp.int32) // U, axis_name)   # [R senders, E] units: row s = s's
     static = (axis_name, top_k, float(capacity), exchange, bool(masked))
-    rounds = _Plan(counts_SE, x_MD.shape[0], top_k, capacity, exchange, axis_name).rounds
-    return _dispatch(experts_fn, params, x_MD, counts_SE, static), rounds.astype(jnp.int32)
+    rounds = _Plan(counts_SE, M, top_k, capacity, exchange, axis_name, U).rounds
+    y_MUF = _dispatch(experts_fn, params, x_MD.reshape(M // U, U, D), counts_SE, static)
+    return y_MUF.reshape(M, -1), rounds.astype(jnp.int32)
 
 
 def in_rounds(fn, rounds: int, *token_arrays):

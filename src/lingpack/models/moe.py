@@ -365,12 +365,13 @@ class MoE(nnx.Module):
             # gate and up projections as one grouped matmul of [D, 2F] weights: x's rows are read once, and its
             # cotangent is one matmul rather than the sum of two (the same dot products; XLA may order their sums
             # differently, docs/parity.md)
+            # every matmul accumulates in fp32 inside and rounds once into the compute dtype (as the dense MLP's
+            # projections do): its outputs and their cotangents are bf16 buffers (half the bytes of fp32 ones over
+            # the receive buffer), the SwiGLU is computed in fp32 from them, and the outputs travel back in bf16
             F = w[0].shape[-1]
-            gate_up = mm(x_MD, jnp.concatenate([w[0], w[1]], axis=-1), wide)
-            h = (jax.nn.silu(tag(gate_up[:, :F], "mlpwi_0")) * tag(gate_up[:, F:], "mlpwi_1")).astype(self.dtype)
-            # accumulated in fp32 inside the matmul, rounded once into the compute dtype: the outputs travel back in
-            # it under `ep`, and the cotangent stays in it (no fp32 copy of the receive buffer in the backward)
-            return tag(mm(h, w[2], self.dtype), "mlpwo")
+            gate_up = mm(x_MD, jnp.concatenate([w[0], w[1]], axis=-1), self.dtype)
+            gate, up = tag(gate_up[:, :F], "mlpwi_0").astype(wide), tag(gate_up[:, F:], "mlpwi_1").astype(wide)
+            return tag(mm((jax.nn.silu(gate) * up).astype(self.dtype), w[2], self.dtype), "mlpwo")
 
         if ep:
             y_sorted, rounds = expert.dispatch(x_sorted, group_sizes, experts_fn, (wi_gate, wi_up, wo), axis_name=ep,

@@ -130,7 +130,8 @@ def test_v5p_dispatch_exchanges_units_in_the_kernels_layout():
     """Rows in units of 16 travel in the (8, 128)(2, 1) tiles every kernel reads: no relayout copy of an
     exchange buffer on either side."""
     moved, copies = _exchanged(_compile_dispatch(_devices("v5p:2x2x2"), "ragged"))
-    assert len(moved) == 6 and all(re.fullmatch(r"bf16\[\d+,16,128\]\{2,1,0:T\(8,128\)\(2,1\)\}", m) for m in moved), moved
+    tiled = r"bf16\[\d+,16,128\]\{2,1,0:T\(8,128\)\(2,1\)\}"
+    assert len(moved) == 6 and all(re.fullmatch(tiled, m) for m in moved), moved
     assert not [c for c in copies if "T(2,128)" in c or re.match(r"bf16\[\d+,(1|16),", c)], copies
 
 

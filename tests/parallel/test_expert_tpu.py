@@ -3,9 +3,11 @@
 - `backend.expert_exchange` reads the chip from the mesh's devices: ragged on v5p and on v5e slices of up to
   16 chips, dense on a 32-chip v5e slice, dense on CPU.
 - The dispatch (forward + backward, EP=8) compiles for 32 v5e chips with the exchange the chip gets (dense:
-  an all-to-all, no ragged one) and for 8 v5p chips with the ragged one; the ragged exchange forced onto the
-  v5e slice is refused by XLA:TPU (the fact the choice rests on: if a libtpu lifts it, this test says so).
-  Slow: the same for one whole MoE layer.
+  an all-to-all, no ragged one) and for 8 v5p chips with the ragged one, whose rows travel in units of 16 in
+  the kernels' tiled layout (no relayout copy); the ragged exchange forced onto the v5e slice is refused by
+  XLA:TPU (the fact the choice rests on: if a libtpu lifts it, this test says so).
+  Slow: the same for one whole MoE layer; single rows in (2, 128) tiles with copies around the exchange, and
+  v5e refusing ragged_dot's weight gradient on unit-shaped buffers (why ragged_dot's rows travel one by one).
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def test_v5e_dispatch_compiles_dense_and_refuses_ragged():
         _compile_dispatch(v5e, "ragged", unit=1)
 
 
+@pytest.mark.slow
 def test_v5e_refuses_ragged_dot_weight_gradients_on_units():
     """Why the MoE sends rows one by one when XLA:TPU's ragged_dot runs the experts: on v5e its weight
     gradient does not compile on unit-shaped buffers (if a libtpu fixes it, this test says so)."""

@@ -10,6 +10,7 @@
   rounds the counts call for, and the two exchanges agree with each other; exchange buffers that start as
   NaN (standing in for uninitialised memory) change nothing; with Megablox they reach the experts unmasked.
 - Traced for TPU and GPU the same layer lowers with XLA's ragged all-to-all (jax.export).
+- `unit_layout` pads each expert's sorted rows to whole exchange units, in order, within the static bound.
 """
 
 from __future__ import annotations
@@ -67,6 +68,29 @@ def test_dense_exchange_equals_ragged_all_to_all_semantics():
         in_specs=(P("ep"),) * 6, out_specs=P("ep"), check_vma=False))
     got = run(operand, output, in_off, sizes, out_off, recv)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_unit_layout_pads_each_expert_to_whole_units():
+    """Each expert's rows keep their sorted order and start on a unit boundary; every other place is padding
+    (M), and the padded rows fit the static bound."""
+    rng = np.random.default_rng(1)
+    M, E, U = 45, 5, 4
+    expert_M = rng.integers(0, E, M)
+    expert_M[expert_M == 3] = 2                    # an expert with no rows takes no unit
+    order = np.argsort(expert_M, kind="stable")
+    inverse = np.empty(M, np.int32)
+    inverse[order] = np.arange(M)
+    sizes = np.bincount(expert_M, minlength=E)
+    to_M, from_P, padded = (np.asarray(a) for a in expert.unit_layout(
+        jnp.asarray(expert_M), jnp.asarray(inverse), jnp.asarray(sizes, jnp.int32), U))
+    np.testing.assert_array_equal(padded, -(-sizes // U) * U)
+    assert from_P.shape == (expert.padded_rows(M, E, U),) and padded.sum() <= from_P.shape[0]
+    np.testing.assert_array_equal(from_P[to_M], np.arange(M))
+    starts = np.cumsum(padded) - padded
+    for e in range(E):
+        rows = np.flatnonzero(expert_M == e)       # in their original (stable-sorted) order
+        np.testing.assert_array_equal(to_M[rows], starts[e] + np.arange(len(rows)))
+    assert np.all(from_P[np.setdiff1d(np.arange(from_P.shape[0]), to_M)] == M)
 
 
 def _inputs(padding: int):

@@ -91,7 +91,8 @@ BLOCKS = {
                                         "python -m experiments.context_parallel.model_memory --compiler tpu "
                                         "--T 65536 --cp 1 8 --remeasure"),
     "plan_flagship": Block("experiments/plan/results/flagship.json", "experiments.plan.flagship:table",
-                           (*STEP, "src/lingpack/plan", "src/lingpack/train/flops.py", "experiments/plan/flagship.py"),
+                           (*STEP, "src/lingpack/plan", "src/lingpack/train/flops.py", "src/lingpack/tpu_flags.py",
+                            "experiments/plan/flagship.py"),
                            "python -m experiments.plan.flagship --rerun"),
     "cp_attribution": Block("experiments/context_parallel/results/attribution.json",
                             "experiments.context_parallel.attribution:table",

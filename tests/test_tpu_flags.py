@@ -8,7 +8,9 @@ from lingpack.errors import ConfigError
 
 def test_v5p_flags_overlap_collectives_with_compute():
     flags = tpu_flags.flags_for("v5p")
-    assert "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true" in flags
+    assert "--xla_tpu_enable_async_collective_fusion=true" in flags
+    # fusing the all-gathers repeats the flagship's weight gathers inside its loops (docs/planning.md)
+    assert not [f for f in flags if "fuse_all_gather" in f]
     assert "--xla_tpu_overlap_compute_collective_tc=true" in flags
     assert "--xla_tpu_enable_data_parallel_all_reduce_opt=true" in flags
     assert len(flags) == len(set(flags)) and all(f.startswith("--xla_") and "=" in f for f in flags)

@@ -178,10 +178,10 @@ def megablox_grouped_matmul(x_MD: jax.Array, w_EDI: jax.Array, group_sizes_E: ja
 @jax.custom_vjp
 def sort_rows(x_ND: jax.Array, from_P: jax.Array, to_M: jax.Array) -> jax.Array:
     """Each of the N rows k times (k = M / N) in a sorted order of P >= M places: place p holds copy
-    from_P[p] % k of row from_P[p] // k, where from_P[p] = M (padding) the last row (some finite row: a zero
-    fill would cost XLA:TPU a select over the rows, and `take_rows` zeroes their cotangents instead); copy j
-    of row n takes place to_M[n*k + j]. Its backward is a gather too (XLA transposes a gather into a
-    scatter-add)."""
+    from_P[p] % k of row from_P[p] // k; a padding place (from_P[p] = M) holds a copy of the last row, some
+    finite row (a zero fill would cost XLA:TPU a select over the rows; `take_rows` zeroes their cotangents
+    instead). Copy j of row n takes place to_M[n*k + j]. Its backward is a gather too (XLA transposes a
+    gather into a scatter-add)."""
     N = x_ND.shape[0]
     return x_ND[jnp.minimum(from_P // (to_M.shape[0] // N), N - 1)]
 
@@ -210,8 +210,9 @@ def take_rows(x_PD: jax.Array, to_M: jax.Array, from_P: jax.Array) -> jax.Array:
     return x_PD[to_M]
 
 
-# the backward: a zero row where `back` is past the end
-take_rows.defvjp(lambda x, to, back: (x[to], back), lambda back, g: (g.at[back].get(mode="fill", fill_value=0), None, None))
+# the backward: a zero row where `back` is past the end (a padding place)
+take_rows.defvjp(lambda x, to, back: (x[to], back),
+                 lambda back, g: (g.at[back].get(mode="fill", fill_value=0), None, None))
 
 
 def _token_mapping(B: int, T: int):

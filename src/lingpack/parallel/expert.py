@@ -15,7 +15,7 @@ Rows travel in units of `unit` rows (`UNIT` in the MoE, models/moe.py): each exp
 with rows to whole units (`unit_layout`), and the exchanges move [units, unit, D] arrays. A ragged
 all-to-all's operands must keep their leading dimension row-contiguous; for [rows, D] XLA:TPU then lays
 them out in (2, 128) tiles and copies them to and from the (16, 128) tiles of the kernels on both sides of
-every exchange (thirteen copies a MoE layer for the flagship's 81,920 x 1,536 buffers), while a [units, 16, D]
+every exchange (8 to 10 ms a step each for the flagship's 81,920 x 1,536 buffers), while a [units, 16, D]
 array is row-contiguous by unit in the kernels' own layout (docs/parallelism.md). Padding rows hold copies of
 real rows (finite values); their outputs are never read back and their cotangents are zeros, so they add
 nothing to a weight gradient.

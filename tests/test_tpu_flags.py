@@ -16,6 +16,14 @@ def test_v5p_flags_overlap_collectives_with_compute():
     assert len(flags) == len(set(flags)) and all(f.startswith("--xla_") and "=" in f for f in flags)
 
 
+def test_only_v6e_fuses_all_gathers():
+    # v6e's exposed all-gathers cost more than the repeated ones inside the loops (docs/planning.md)
+    fuse = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
+    assert fuse in tpu_flags.flags_for("v6e")
+    assert fuse not in tpu_flags.flags_for("v5p") and fuse not in tpu_flags.flags_for("v5e")
+    assert set(tpu_flags.flags_for("v5p")) < set(tpu_flags.flags_for("v6e"))
+
+
 @pytest.mark.parametrize("name,generation", [("v5p-64", "v5p"), ("TPU v5", "v5p"), ("TPU v6 lite", "v6e"),
                                              ("v6e-256", "v6e"), ("v5litepod-16", "v5e"), ("TPU v5 lite", "v5e")])
 def test_generation_from_chip_names(name, generation):

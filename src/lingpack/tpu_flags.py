@@ -19,15 +19,19 @@ from lingpack.errors import ConfigError
 
 # group: (flags, what it does)
 GROUPS = {
-    # not MaxText's `..._fuse_all_gather=true`: on the flagship's step (64 v5p, T=8192) it moved the weight
-    # all-gathers into the layer and head loops and repeated them, 19.2 GB a step per device against 6.5
-    # GB, for no planned speed (docs/planning.md)
+    # MaxText's `..._fuse_all_gather=true` is a group of its own (v6e only): on the flagship's step for 64 v5p
+    # chips (T=8192) it moved the weight all-gathers into the layer and head loops and repeated them, 19.2 GB a
+    # step per device against 6.5 GB, for a slower plan (641 against 635 ms); on v6e it planned 1028 against
+    # 1088 ms (docs/planning.md)
     "async_all_gather": ((
         "--xla_enable_async_all_gather=true",
         "--xla_tpu_enable_async_collective_fusion=true",
         "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
         "--xla_tpu_overlap_compute_collective_tc=true",
     ), "FSDP all-gathers asynchronous, overlapped with the tensor cores' compute"),
+    "fuse_all_gather": ((
+        "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    ), "FSDP all-gathers fused into the async collective fusions (repeated inside loops: v6e gains, v5p loses)"),
     "async_all_reduce": ((
         "--xla_enable_async_all_reduce=true",
         "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
@@ -40,7 +44,7 @@ GROUPS = {
 # generation -> groups, in order (the async fusions are libtpu defaults on recent versions: set to be sure)
 GENERATIONS = {
     "v5p": ("async_all_gather", "async_all_reduce", "data_parallel_all_reduce"),
-    "v6e": ("async_all_gather", "async_all_reduce", "data_parallel_all_reduce"),
+    "v6e": ("async_all_gather", "fuse_all_gather", "async_all_reduce", "data_parallel_all_reduce"),
     "v5e": ("async_all_gather", "async_all_reduce", "data_parallel_all_reduce"),
     "v4": ("async_all_gather", "data_parallel_all_reduce"),
 }

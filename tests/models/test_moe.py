@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lingpack.models.moe import (MoE, MoEConfig, megablox_grouped_matmul, route, tiled_grouped_matmul,
-                                  update_expert_bias)
+from lingpack.models.moe import (MoE, MoEConfig, combine_rows, megablox_grouped_matmul, route, sort_rows,
+                                  tiled_grouped_matmul, update_expert_bias)
 from tests.optional import lazy
 
 torch = lazy("torch")   # one oracle test; the others run without the parity extra
@@ -148,6 +148,35 @@ def test_bias_update_moves_load_toward_balance():
     assert imbalance[0] > 1.5, imbalance[0]                  # the test starts unbalanced
     assert imbalance[-1] < 0.6 * imbalance[0], (imbalance[0], imbalance[-1])
     assert abs(float(moe.expert_bias[...].mean())) < 1e-6   # re-centred
+
+
+def test_sort_and_combine_rows_equal_gathers_and_einsum():
+    """`sort_rows` / `combine_rows` (slab sums, one-gather backward) against plain gathers and the einsum, values
+    and gradients, with padding places (from = M) whose cotangent must be exactly zero."""
+    rng = np.random.default_rng(3)
+    N, k, D, P_ = 6, 3, 5, 24
+    to_M = jnp.asarray(rng.permutation(P_)[:N * k], jnp.int32)              # distinct places; 6 padding places
+    from_P = jnp.full((P_,), N * k, jnp.int32).at[to_M].set(jnp.arange(N * k, dtype=jnp.int32))
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((P_, D)), jnp.float32)
+    w = jnp.asarray(rng.random((N, k)), jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+
+    def ours(x, y, w):
+        return jnp.sum(sort_rows(x, from_P, to_M)[to_M].reshape(N, k, D).sum(1) * cot) + jnp.sum(
+            combine_rows(y, to_M, from_P, w) * cot)
+
+    def plain(x, y, w):
+        sorted_P = x[jnp.minimum(from_P // k, N - 1)]
+        return jnp.sum(sorted_P[to_M].reshape(N, k, D).sum(1) * cot) + jnp.sum(
+            jnp.einsum("nkd,nk->nd", y[to_M].reshape(N, k, D), w) * cot)
+
+    np.testing.assert_allclose(ours(x, y, w), plain(x, y, w), rtol=1e-5)
+    got, want = jax.grad(ours, argnums=(0, 1, 2))(x, y, w), jax.grad(plain, argnums=(0, 1, 2))(x, y, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    padding = np.asarray(from_P) == N * k
+    assert padding.sum() == P_ - N * k and not np.asarray(got[1])[padding].any()
 
 
 @pytest.mark.parametrize("block", [None, 1, 2])   # tiles per loop step: E (default), one, a count not dividing them

@@ -14,11 +14,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from lingpack.models.block import FFN_PARTS, MIXER_PARTS, DecoderLayer, feed, mix, parts
 
 MIXERS = ("kda", "mla")
 MIXER_SCOPE = "stack_mixer"   # named scope of the scanned layers' mixer cond (op_name in compiled HLO)
+MIXED = "stack/mixer_out"     # checkpoint name of a scanned layer's mixer output (x + mixer(norm(x)))
 # a layer's weights taken out of its stack: recomputed by the backward pass, never saved per layer (a copy)
 _WEIGHT_SLICES = (jax.lax.dynamic_slice_p, jax.lax.squeeze_p)
 
@@ -91,10 +93,16 @@ class LayerStack(nnx.Module):
             if len(present) == 1:
                 x = run[present[0]](x, weights)
             else:
+                # each mixer checkpointed inside the cond and its output saved by the layer's checkpoint: the
+                # layer's recompute then leaves the cond alone, whose linearisation would return the union of
+                # both mixers' residuals, the branch taken filling the other's with zeros
+                branch = {m: jax.checkpoint(run[m], policy=policy) for m in present}
                 with jax.named_scope(MIXER_SCOPE):   # the planner weighs this cond's branches by this name
-                    x = jax.lax.cond(is_mla, run["mla"], run["kda"], x, weights)
+                    x = checkpoint_name(jax.lax.cond(is_mla, branch["mla"], branch["kda"], x, weights), MIXED)
             return feed(nnx.merge(ffn_def, ffn_weights), x, segment_ids)
 
-        step = jax.checkpoint(layer, policy=without_weight_slices(policy))
+        saving = policy if len(present) == 1 else jax.checkpoint_policies.save_from_both_policies(
+            policy, jax.checkpoint_policies.save_only_these_names(MIXED))
+        step = jax.checkpoint(layer, policy=without_weight_slices(saving))
         return jax.lax.scan(lambda x, xs: step(x, *xs, states, segment_ids_BT, positions_BT),
                             x_BTD, (is_mla_L, index_L, ffn_state))

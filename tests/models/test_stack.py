@@ -130,3 +130,33 @@ def test_stacked_parameters_keep_sharding_names_and_decay_rule(models):
 def test_remat_policy_is_validated():
     with pytest.raises(ValueError, match="remat_policy"):
         dataclasses.replace(CFG, remat_policy="everything")
+
+
+def _zero_filled_cond_outputs(jaxpr) -> list:
+    """Shapes of activation-sized (3+ dims) cond-branch outputs made as broadcast zeros, in a jaxpr and its sub-jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            for branch in eqn.params["branches"]:
+                zeros = {id(e.outvars[0]): e.outvars[0].aval.shape for e in branch.jaxpr.eqns
+                         if e.primitive.name == "broadcast_in_dim" and len(e.outvars[0].aval.shape) >= 3}
+                found += [zeros[id(v)] for v in branch.jaxpr.outvars if id(v) in zeros]
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            found += _zero_filled_cond_outputs(sub)
+    return found
+
+
+def test_layer_scan_backward_fills_no_residuals_of_the_other_mixer():
+    """Under remat the backward recomputes each layer; linearising the KDA/MLA cond there would return the union
+    of both mixers' residuals, the branch taken filling the other's with zeros (activation-sized buffers written
+    every layer). Each mixer is checkpointed inside the cond instead, its output saved by the layer."""
+    cfg = dataclasses.replace(DEEP, remat=True, remat_policy="nothing_saveable")
+    model = Ling3(cfg, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batch = {k: jnp.asarray(v) for k, v in packed_batch([[5, 1, 14], [20]], 20, 64, np.random.default_rng(0)).items()}
+
+    def loss(params):
+        out = nnx.merge(graphdef, params, rest)(batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
+        return jnp.sum(out.logits_BTV ** 2)
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
+    assert _zero_filled_cond_outputs(jaxpr.jaxpr) == []

@@ -7,6 +7,11 @@ Its call is ONE `lax.scan` over the layers: the body takes layer i's mixer weigh
 by dynamic index and runs the mixer under `lax.cond`, then the MoE with the scanned FFN slice. XLA compiles
 one KDA mixer, one MLA mixer and one MoE whatever the depth and the pattern, with no partial cycle left
 over. Logical sharding names get `None` (replicated) for the stack axis.
+
+Under remat each mixer is checkpointed inside the cond, and the layer's checkpoint saves the mixer's output
+(`MIXED`, one activation a layer): the backward recomputes the mixer inside its own branch. A checkpoint
+around the cond alone would have the backward linearise the cond, whose residuals are the union of both
+mixers' (the branch taken fills the other's with zeros: activation-sized buffers written every layer).
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ class LayerStack(nnx.Module):
         """-> (x_BTD, moe aux dict of arrays stacked in layer order [n_layers, ...]).
 
         Each layer runs under `jax.checkpoint(policy)` (wrapped by `without_weight_slices`): its residuals are
-        its input and whatever `policy` saves; the mixer stacks are loop constants, not saved per layer.
+        its input, its mixer's output (with two mixers) and whatever `policy` saves; the mixer stacks are loop
+        constants, not saved per layer.
         """
         present = [m for m in MIXERS if getattr(self, m) is not None]
         graphdefs, states = {}, {}

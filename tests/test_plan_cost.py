@@ -3,6 +3,7 @@ or from XLA:TPU itself: a matmul chain's FLOPs and its time near peak, a fused e
 loop-free program against XLA's `optimal_seconds`, a collective's bytes over its ICI links, and a small
 Ling3 step's compiled FLOPs against train/flops.py."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,33 @@ def compile_on(chip_name: str, f, *shapes):
     device = chips.tpu_devices(chip, 1)[0]
     args = [jax.ShapeDtypeStruct(s, dt, sharding=SingleDeviceSharding(device)) for s, dt in shapes]
     return chip, jax.jit(f).lower(*args).compile()
+
+
+def test_an_unnamed_kernel_takes_a_model_part_from_its_operands_before_a_generic_one():
+    """XLA:TPU leaves some kernels in a checkpoint's backward without a name stack; their first operands can be
+    prefetched copies whose part is generic ("layers (other)"): the kernel is the model part's its other
+    operands name (here MLA), as is an instruction with generic operands only, the generic part."""
+    text = """
+ENTRY %main (p0: bf16[8,128]) -> bf16[8,128] {
+  %p0 = bf16[8,128]{1,0} parameter(0)
+  %w = bf16[8,128]{1,0} fusion(%p0), kind=kLoop, calls=%f, metadata={op_name="jit(step)/transpose(jvp(x))/mul"}
+  %cs = (bf16[8,128]{1,0}, bf16[8,128]{1,0}, u32[]) copy-start(%w)
+  %cd = bf16[8,128]{1,0} copy-done(%cs)
+  %q = bf16[8,128]{1,0} fusion(%p0), kind=kLoop, calls=%f, metadata={op_name="jit(step)/transpose(jvp(x))/mla/squeeze"}
+  %k = bf16[8,128]{1,0} custom-call(%cd, %q), custom_call_target="tpu_custom_call"
+  ROOT %o = bf16[8,128]{1,0} add(%cd, %cd)
+}
+"""
+    ops = [hlo.Instruction(*m) for m in _instructions(text)]
+    parts = cost._parts(ops)
+    assert parts["k"] == "mla" and parts["cd"] == "layers (other)" and parts["o"] == "layers (other)"
+
+
+def _instructions(text):
+    for line in text.splitlines():
+        found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\(", line)
+        if found:
+            yield found.group(1), found.group(2), found.group(3), line.strip()
 
 
 @pytest.mark.slow   # XLA:TPU tiles [4096, 4096] matmuls for minutes on a loaded 2-core host

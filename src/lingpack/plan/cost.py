@@ -64,12 +64,15 @@ def part(line: str) -> str | None:
 
 def _parts(ops) -> dict:
     """name -> part of a computation's instructions; an instruction XLA made (no name stack, e.g. a ragged
-    dot's transposes) takes its operands' part, else the part most of its computation's instructions have."""
+    dot's transposes, or a kernel in a checkpoint's backward) takes its operands' part, a model part
+    (`PARTS`) before a generic one (a prefetched copy of a weight reads "layers (other)"), else the part most
+    of its computation's instructions have."""
     found = {op.name: part(op.line) for op in ops}
+    unnamed = [op for op in ops if found[op.name] is None]
     for _ in range(3):
-        for op in ops:
-            if found[op.name] is None:
-                found[op.name] = next((found[o] for o in op.operands if found.get(o)), None)
+        for op in unnamed:
+            known = [found[o] for o in op.operands if found.get(o)]
+            found[op.name] = next((p for p in known if p in PARTS), known[0] if known else None)
     named = collections.Counter(v for v in found.values() if v)
     common = named.most_common(1)[0][0] if named else "optimizer, other"
     return {k: v or common for k, v in found.items()}

@@ -26,8 +26,8 @@ def compile_on(chip_name: str, f, *shapes):
 
 def test_an_unnamed_kernel_takes_a_model_part_from_its_operands_before_a_generic_one():
     """XLA:TPU leaves some kernels in a checkpoint's backward without a name stack; their first operands can be
-    prefetched copies whose part is generic ("layers (other)"): the kernel is the model part's its other
-    operands name (here MLA), as is an instruction with generic operands only, the generic part."""
+    prefetched copies whose part is generic ("layers (other)"): the kernel takes the model part its other
+    operands name (here MLA); an instruction with generic operands only keeps the generic part."""
     text = """
 ENTRY %main (p0: bf16[8,128]) -> bf16[8,128] {
   %p0 = bf16[8,128]{1,0} parameter(0)

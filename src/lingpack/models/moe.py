@@ -209,7 +209,8 @@ sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
 def combine_rows(y_PD: jax.Array, to_M: jax.Array, from_P: jax.Array, w_NK: jax.Array) -> jax.Array:
     """sum_j w[n, j] y[to[n*k + j]] in w's dtype: `sort_rows`' places (`from_P` is M at padding places) undone
     and the top-k outputs weighted. The k copies are taken as slabs [k, N, D] and added one by one: XLA:TPU
-    costs a reduce over the middle axis of [N, k, D] at 3.5x. The backward writes each place's cotangent,
+    costs a sum over the middle axis of [N, k, D] at about twice (docs/benchmarks.md, "The MoE's data-movement
+    ops alone"). The backward writes each place's cotangent,
     d[n] w[n, j], in one gather by `from_P` (zero at padding places); y's rows are needed for w's only."""
     return _combine_fwd(y_PD, to_M, from_P, w_NK)[0]
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core as jex_core
 
 from lingpack.models.kda import KDAConfig
 from lingpack.models.ling3 import Ling3, Ling3Config
@@ -141,7 +142,7 @@ def _zero_filled_cond_outputs(jaxpr) -> list:
                 zeros = {id(e.outvars[0]): e.outvars[0].aval.shape for e in branch.jaxpr.eqns
                          if e.primitive.name == "broadcast_in_dim" and len(e.outvars[0].aval.shape) >= 3}
                 found += [zeros[id(v)] for v in branch.jaxpr.outvars if id(v) in zeros]
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jex_core.jaxprs_in_params(eqn.params):
             found += _zero_filled_cond_outputs(sub)
     return found
 

@@ -1,4 +1,5 @@
-"""The vocabulary-chunked head and cross-entropy (models/head.py) against the whole-vocabulary one.
+"""The vocabulary-chunked head and cross-entropy, and the fused head (gradient formed in the forward),
+(models/head.py) against the whole-vocabulary one.
 
 Oracle: `token_xent` of the materialised [B, T, V] logits, differentiated by autodiff. Bars: loss within
 1e-6 and every gradient within 1e-5 (relative to the largest entry), alone (chunks that divide V, that do
@@ -18,7 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lingpack.models.head import LMHead, token_xent
+from jax.sharding import Mesh
+
+from lingpack.models.head import LMHead, fused_objective, token_xent
+from lingpack.parallel.layout import Layout, activation_layout
 from lingpack.models.kda import KDAConfig
 from lingpack.models.ling3 import Ling3Config
 from lingpack.models.mla import MLAConfig
@@ -80,6 +84,63 @@ def test_target_outside_the_vocabulary_is_nan_like_the_whole_vocabulary():
     assert np.isfinite(xent[0, 0]) and np.isnan(xent[0, 1:]).all()
 
 
+def fused_case(vocab_axis: int, seed: int = 0, B: int = B):
+    """Two heads sharing w (main and MTP), their targets and per-token weights (z-loss on the first only), and
+    the oracle: autodiff of sum(cx xent + cz lse^2) over the materialised logits."""
+    k = jax.random.split(jax.random.key(seed), 6)
+    hs = [jax.random.normal(k[0], (B, T, D)), jax.random.normal(k[1], (B, T, D))]
+    w = jax.random.normal(k[2], (D, V) if vocab_axis == 1 else (V, D))
+    ts = [jax.random.randint(k[3], (B, T), 0, V), jax.random.randint(k[4], (B, T), 0, V)]
+    cx = jax.random.uniform(k[5], (B, T)) * (jnp.arange(T) % 5 != 0)   # masked tokens weigh 0
+    weights, z_weights = [cx, 0.3 * cx], [0.1 * cx, jnp.zeros_like(cx)]
+
+    def oracle(hs, w):
+        w_DV = w if vocab_axis == 1 else w.T
+        terms = [(token_xent(h @ w_DV, t), c, z) for h, t, c, z in zip(hs, ts, weights, z_weights)]
+        return sum(jnp.sum(c * x + z * lse ** 2) for (x, lse), c, z in terms)
+
+    def fused(rows):
+        return lambda hs, w: fused_objective([LMHead(h, w, vocab_axis, 0, rows) for h in hs], ts, weights, z_weights)[0]
+    return hs, w, oracle, fused
+
+
+@pytest.mark.parametrize("vocab_axis", [1, 0])
+@pytest.mark.parametrize("rows", [7, 48, 1000])   # blocks that do not divide the 96 rows (padded); divide; one block
+def test_fused_head_equals_autodiff_of_the_whole_vocabulary(rows, vocab_axis):
+    hs, w, oracle, fused = fused_case(vocab_axis, rows)
+    (loss, (dh, dw)), (ref, (ref_dh, ref_dw)) = (jax.value_and_grad(f, (0, 1))(hs, w) for f in (fused(rows), oracle))
+    assert rel(loss, ref) <= 1e-6
+    assert max(rel(a, b) for a, b in zip(dh, ref_dh)) <= 1e-5 and rel(dw, ref_dw) <= 1e-5
+    _, xent, lse = fused_objective([LMHead(h, w, vocab_axis, 0, rows) for h in hs], [jnp.zeros((B, T), jnp.int32)] * 2,
+                                   [jnp.ones((B, T))] * 2, [jnp.zeros((B, T))] * 2)
+    ref_xent, ref_lse = token_xent(hs[1] @ (w if vocab_axis == 1 else w.T), jnp.zeros((B, T), jnp.int32))
+    assert rel(xent[1], ref_xent) <= 1e-6 and rel(lse[1], ref_lse) <= 1e-6
+
+
+def test_fused_head_runs_three_head_matmuls_where_the_chunks_run_four():
+    """Forward logits, dh and dw, all in the forward; the backward only scales them (no recomputed logits)."""
+    hs, w, _, fused = fused_case(1)
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(fused(48), (0, 1)))(hs, w).jaxpr
+    assert dot_flops(jaxpr) == 3 * 2 * (2 * B * T) * D * V
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fused_head_on_a_mesh_splitting_rows_and_vocabulary_equals_one_device(tie):
+    """Rows over 4 devices, the vocabulary over 2 (`tensor`, 50 columns a shard): the per-device max, sum and
+    target logit combined across vocabulary shards, dw summed over row shards, as one device computes it."""
+    hs, w, _, fused = fused_case(0 if tie else 1, 3, B=4)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+    rules = (("batch", "fsdp"), ("length", None), ("vocab", "tensor"), ("embed", None))
+
+    def on_mesh(hs, w):
+        with activation_layout(Layout(mesh, rules)):
+            return jax.value_and_grad(fused(5), (0, 1))(hs, w)
+    loss, (dh, dw) = jax.jit(on_mesh)(hs, w)
+    ref_loss, (ref_dh, ref_dw) = jax.value_and_grad(fused(1000), (0, 1))(hs, w)
+    assert rel(loss, ref_loss) <= 1e-6 and rel(dw, ref_dw) <= 1e-5
+    assert max(rel(a, b) for a, b in zip(dh, ref_dh)) <= 1e-5
+
+
 MODEL = Ling3Config(vocab_size=256, emb_dim=32, num_layers=2, inhomogeneous_layer_cycle_interval=2, mlp_dim=64,
                     kda=KDAConfig(num_heads=2, head_dim=16), kda_chunk_size=16, attention_block_size=16,
                     mla=MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
@@ -124,16 +185,18 @@ CASES = [pytest.param(dict(), LossConfig(z_loss_weight=1e-3), id="megatron-zloss
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, loss", CASES)
-def test_train_step_with_vocabulary_chunks_equals_whole_vocabulary(overrides, loss):
+def test_train_step_with_vocabulary_chunks_or_fused_head_equals_whole_vocabulary(overrides, loss):
     model = dataclasses.replace(MODEL, **overrides)
     whole = step_gradients(model, loss, dict(data=1), 1)
     chunked = step_gradients(dataclasses.replace(model, vocab_chunk_size=48), loss, dict(data=1), 1)  # 48 does not divide 256
     assert_step_matches(chunked, whole)
+    fused = step_gradients(dataclasses.replace(model, fused_head_rows=100), loss, dict(data=1), 1)  # 100 of 512 rows a head
+    assert_step_matches(fused, whole)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tie", [False, True])
-def test_vocabulary_parallel_chunks_on_a_mesh_equal_one_device(tie):
+def test_vocabulary_parallel_chunks_and_fused_head_on_a_mesh_equal_one_device(tie):
     """data 2 x fsdp 2 x tensor 2: rows over data x fsdp, the vocabulary over tensor (two shards of 128 columns,
     chunks of 43: every shard's last chunk overlaps its predecessor by 1 column)."""
     model = dataclasses.replace(MODEL, tie_embeddings=tie)
@@ -141,3 +204,5 @@ def test_vocabulary_parallel_chunks_on_a_mesh_equal_one_device(tie):
     whole = step_gradients(model, loss, dict(data=1), 1)
     chunked = step_gradients(dataclasses.replace(model, vocab_chunk_size=48), loss, dict(data=2, fsdp=2, tensor=2), 8)
     assert_step_matches(chunked, whole)
+    fused = step_gradients(dataclasses.replace(model, fused_head_rows=40), loss, dict(data=2, fsdp=2, tensor=2), 8)
+    assert_step_matches(fused, whole)

@@ -13,6 +13,13 @@ final-normed hidden state and the head weight, both fp32 (float64 for a float64 
   skips the columns its predecessor counted, so no weight is padded or copied and fewer than 128 columns a
   chunk are computed twice (at V = 157184, C = 16384: 10 chunks of 15744, 256 columns, 0.16%).
 
+* `fused_rows = R` (training): `fused_objective` takes the loss's per-token weights and returns the weighted
+  sum itself, R rows at a time over the whole vocabulary, forming each row block's logit gradient, dh and
+  dw in the forward (Liger-Kernel's fused linear cross-entropy, linkedin/Liger-Kernel:
+  src/liger_kernel/ops/fused_linear_cross_entropy.py). The backward only scales them by the objective's
+  cotangent: three matmuls of the head's size where the vocabulary chunks run four (their backward
+  recomputes the logits). The heads (main and MTP) share one weight and run as one stack of rows.
+
 Under an activation layout (parallel/layout.py) the chunked cross-entropy runs per device in a shard_map:
 rows over the token axes, the vocabulary over the `vocab` rule's axes (Megatron's vocab-parallel
 cross-entropy: per-device max, sum and target logit combined by pmax / psum; only [B, T] statistics
@@ -176,6 +183,18 @@ def _chunked_xent_bwd(chunk, vocab_axis, axes, vocab, res, g):
 _chunked_xent.defvjp(_chunked_xent_fwd, _chunked_xent_bwd)
 
 
+def _vocab_split(layout, w, vocab_axis: int, rows: tuple):
+    """(rows' PartitionSpec, w's, the mesh axes splitting the vocabulary, local vocabulary size) under `layout`."""
+    tokens = layout.spec(("batch", "length"), rows)
+    w_logical = ("vocab", None) if vocab_axis == 0 else (None, "vocab")
+    w_spec = layout.spec(w_logical, w.shape)           # the model width enters whole (an FSDP gather)
+    token_axes = {a for entry in tokens for a in axis_tuple(entry)}
+    axes = axis_tuple(w_spec[vocab_axis])
+    if token_axes & set(axes):   # a mesh axis splitting both rows and vocabulary: the vocabulary enters whole
+        w_spec, axes = P(), ()
+    return tokens, w_spec, axes, w.shape[vocab_axis] // math.prod(layout.mesh.shape[a] for a in axes)
+
+
 def chunked_xent(h_BTD: jax.Array, w: jax.Array, targets_BT: jax.Array, *, chunk: int, vocab_axis: int = 1):
     """(cross-entropy, logsumexp) [B, T] fp32 of the logits h @ w (w [D, V]; or h @ w.T for a [V, D] table,
     `vocab_axis=0`), computed `chunk` vocabulary columns at a time (see the module docstring)."""
@@ -186,14 +205,7 @@ def chunked_xent(h_BTD: jax.Array, w: jax.Array, targets_BT: jax.Array, *, chunk
         xent, lse = _chunked_xent(h_BTD.reshape(B * T, D), w, targets_BT.reshape(-1), chunk_width(V, chunk),
                                   vocab_axis, (), V)
         return xent.reshape(B, T), lse.reshape(B, T)
-    tokens = layout.spec(("batch", "length"), (B, T))
-    w_logical = ("vocab", None) if vocab_axis == 0 else (None, "vocab")
-    w_spec = layout.spec(w_logical, w.shape)           # the model width enters whole (an FSDP gather)
-    token_axes = {a for entry in tokens for a in axis_tuple(entry)}
-    axes = axis_tuple(w_spec[vocab_axis])
-    if token_axes & set(axes):   # a mesh axis splitting both rows and vocabulary: the vocabulary enters whole
-        w_spec, axes = P(), ()
-    local_vocab = V // math.prod(layout.mesh.shape[a] for a in axes)
+    tokens, w_spec, axes, local_vocab = _vocab_split(layout, w, vocab_axis, (B, T))
 
     def local(h, w, t):
         b, t_len = t.shape
@@ -205,6 +217,98 @@ def chunked_xent(h_BTD: jax.Array, w: jax.Array, targets_BT: jax.Array, *, chunk
                          out_specs=(tokens, tokens), check_vma=False)(h_BTD, w, targets_BT)
 
 
+# ------------------------------------------------------------------------ gradient in the forward (fused)
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fused_xent(h_ND, w, targets_N, cx_N, cz_N, rows: int, vocab_axis: int, axes: tuple, vocab: int):
+    return _fused_xent_fwd(h_ND, w, targets_N, cx_N, cz_N, rows, vocab_axis, axes, vocab)[0]
+
+
+def _fused_xent_fwd(h_ND, w, targets_N, cx_N, cz_N, rows, vocab_axis, axes, vocab):
+    """sum_n cx[n] xent[n] + cz[n] lse[n]^2 over this device's rows, with xent and lse [N]; residuals: the
+    gradients of that sum (dh [N, D], this device's dw), formed block by block of `rows` rows."""
+    N, D = h_ND.shape
+    pad = -N % rows
+    h_RD, t_R, cx_R, cz_R = (jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (h_ND, targets_N, cx_N, cz_N))
+    offset = _offset(axes, w.shape[vocab_axis])
+    columns = jnp.arange(w.shape[vocab_axis], dtype=jnp.int32) + offset
+
+    def body(dw, i):
+        h_c, t_c, cx_c, cz_c = (jax.lax.dynamic_slice_in_dim(a, i * rows, rows) for a in (h_RD, t_R, cx_R, cz_R))
+        logits = h_c @ w if vocab_axis == 1 else h_c @ w.T                  # [rows, V] in w's dtype
+        m = jnp.max(logits, axis=-1)
+        if axes:
+            m = jax.lax.pmax(m, axes)
+        s = jnp.sum(jnp.exp(logits - m[:, None]), axis=-1)
+        target = pick(logits, t_c, offset)
+        if axes:   # the vocabulary split over devices: each row's sum and target logit whole
+            s, target = jax.lax.psum(s, axes), jax.lax.psum(target, axes)
+        lse = m + jnp.log(s)
+        hit = columns == t_c[:, None].astype(jnp.int32)
+        # d(cx xent + cz lse^2)/dlogits = (cx + 2 cz lse) softmax - cx onehot(target)
+        g = (cx_c + 2.0 * cz_c * lse)[:, None] * jnp.exp(logits - lse[:, None]) - jnp.where(hit, cx_c[:, None], 0.0)
+        if vocab_axis == 1:
+            dh_c, dw = g @ w.T, dw + h_c.T @ g
+        else:
+            dh_c, dw = g @ w, dw + g.T @ h_c
+        return dw, (dh_c, lse - target, lse)
+
+    dw, (dh, xent, lse) = jax.lax.scan(body, jnp.zeros(w.shape, w.dtype), jnp.arange((N + pad) // rows))
+    dh_ND, xent_N, lse_N = dh.reshape(-1, D)[:N], xent.reshape(-1)[:N], lse.reshape(-1)[:N]
+    xent_N = _nan_unless_in_vocab(xent_N, targets_N, vocab)
+    total = jnp.sum(cx_N * xent_N + cz_N * lse_N ** 2)
+    return (total, xent_N, lse_N), (dh_ND, dw)
+
+
+def _fused_xent_bwd(rows, vocab_axis, axes, vocab, res, g):
+    dh_ND, dw = res
+    g_total = g[0]   # xent and lse leave `fused_objective` without a gradient (stop_gradient)
+    if axes:   # shard_map hands each vocabulary shard 1/n of a replicated output's cotangent: whole again
+        g_total = jax.lax.psum(g_total, axes)
+    return (g_total * dh_ND).astype(dh_ND.dtype), (g_total * dw).astype(dw.dtype), None, None, None
+
+
+_fused_xent.defvjp(_fused_xent_fwd, _fused_xent_bwd)
+
+
+def fused_objective(heads: list, targets: list, cx: list, cz: list) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sum over heads and tokens of cx xent + cz lse^2, xent [H, B, T], lse [H, B, T]) for heads sharing one
+    weight (the main head and each MTP depth's, `Ling3.head`), each with its targets and per-token weights
+    cx, cz [B, T]: the loss's derivative of its objective in each token's cross-entropy and squared
+    logsumexp (data: masks over counts, no gradient flows into them). Only the sum is differentiable; its
+    gradient is formed in the forward, `heads[0].fused_rows` rows at a time (the module docstring)."""
+    with jax.named_scope("head_xent"):   # the planner's name for the head's matmuls in the loss (plan/cost.py)
+        return _fused_objective(heads, targets, cx, cz)
+
+
+def _fused_objective(heads, targets, cx, cz):
+    head = heads[0]
+    w, vocab_axis, rows = head.w, head.vocab_axis, head.fused_rows
+    h_HBTD = jnp.stack([hd.h_BTD for hd in heads])
+    t_HBT, cx_HBT, cz_HBT = (jnp.stack(a).astype(dt) for a, dt in ((targets, jnp.int32), (cx, w.dtype), (cz, w.dtype)))
+    H, B, T, D = h_HBTD.shape
+    V = w.shape[vocab_axis]
+    layout = current_layout()
+    if layout is None:
+        total, xent, lse = _fused_xent(h_HBTD.reshape(-1, D), w, t_HBT.reshape(-1), cx_HBT.reshape(-1),
+                                       cz_HBT.reshape(-1), rows, vocab_axis, (), V)
+        return total, *(jax.lax.stop_gradient(a.reshape(H, B, T)) for a in (xent, lse))
+    tokens, w_spec, axes, _ = _vocab_split(layout, w, vocab_axis, (B, T))
+    token_axes = tuple(a for entry in tokens for a in axis_tuple(entry))
+
+    def local(h, w, t, cx, cz):
+        shape = t.shape
+        total, xent, lse = _fused_xent(h.reshape(-1, D), w, t.reshape(-1), cx.reshape(-1), cz.reshape(-1), rows,
+                                       vocab_axis, axes, V)
+        return total[None], xent.reshape(shape), lse.reshape(shape)
+
+    rows_spec = P(None, *tokens)
+    totals, xent, lse = jax.shard_map(
+        local, mesh=layout.mesh, in_specs=(P(None, *tokens, None), w_spec, rows_spec, rows_spec, rows_spec),
+        out_specs=(P(token_axes or None), rows_spec, rows_spec), check_vma=False)(h_HBTD, w, t_HBT, cx_HBT, cz_HBT)
+    return jnp.sum(totals), jax.lax.stop_gradient(xent), jax.lax.stop_gradient(lse)
+
+
 @struct.dataclass
 class LMHead:
     """One output head, unevaluated: logits = h @ w, cross-entropy whole or per vocabulary chunk."""
@@ -212,6 +316,7 @@ class LMHead:
     w: jax.Array                                              # fp32 head weight [D, V], or a tied table [V, D]
     vocab_axis: int = struct.field(pytree_node=False, default=1)
     chunk: int = struct.field(pytree_node=False, default=0)   # vocabulary columns per chunk; 0 = whole
+    fused_rows: int = struct.field(pytree_node=False, default=0)   # training loss: `fused_objective`'s row block; 0 = off
 
     def logits(self) -> jax.Array:
         """fp32 [B, T, V] logits (materialised: what `chunk` avoids)."""

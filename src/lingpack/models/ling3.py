@@ -109,6 +109,7 @@ class Ling3Config:
     scan_layers: bool = True                 # one scan over the MoE layers (compile time flat in depth)
     tie_embeddings: bool = False
     vocab_chunk_size: int = 0               # head + cross-entropy in equal chunks of at most this many columns; 0 = whole
+    fused_head_rows: int = 0                # training: the heads' gradients formed in the loss's forward, R rows at a time; 0 = off
     init_from: str | None = None            # a transformers directory the run's weights start from (export/)
     kda: KDAConfig = KDAConfig()
     mla: MLAConfig = MLAConfig()
@@ -123,6 +124,8 @@ class Ling3Config:
             raise ValueError(f"first_dense_layers must lie in [0, num_layers={self.num_layers}]; got {self.first_dense_layers}")
         if self.vocab_chunk_size < 0:
             raise ValueError(f"vocab_chunk_size must be >= 0 (0 = the whole vocabulary at once); got {self.vocab_chunk_size}")
+        if self.fused_head_rows < 0:
+            raise ValueError(f"fused_head_rows must be >= 0 (0 = off: autodiff through the head); got {self.fused_head_rows}")
         if self.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers must be >= 0; got {self.mtp_num_layers}")
         if self.attention_impl not in ATTENTION_CHOICES:
@@ -227,12 +230,14 @@ class Ling3(nnx.Module):
 
     def head(self, h_BTD: jax.Array) -> LMHead:
         """Final norm, then the unevaluated fp32 head (fp32 weights and product: softmax over a large vocab needs
-        it; float64 for a float64 model); its cross-entropy runs per `vocab_chunk_size` columns when that is set."""
+        it; float64 for a float64 model); its cross-entropy runs per `vocab_chunk_size` columns when that is set, and
+        the training loss forms its gradient in the forward with `fused_head_rows` (models/head.py)."""
         h = self.norm(h_BTD)
         h = h.astype(at_least_fp32(h.dtype))
         if self.cfg.tie_embeddings:   # the [V, D] table itself: chunks slice its rows, nothing is transposed
-            return LMHead(h, self.embed_tokens.embedding[...].astype(h.dtype), 0, self.cfg.vocab_chunk_size)
-        return LMHead(h, self.lm_head[...].astype(h.dtype), 1, self.cfg.vocab_chunk_size)
+            return LMHead(h, self.embed_tokens.embedding[...].astype(h.dtype), 0, self.cfg.vocab_chunk_size,
+                          self.cfg.fused_head_rows)
+        return LMHead(h, self.lm_head[...].astype(h.dtype), 1, self.cfg.vocab_chunk_size, self.cfg.fused_head_rows)
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         """fp32 [B, T, V] logits of a final hidden state (the head, materialised)."""

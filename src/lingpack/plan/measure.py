@@ -209,12 +209,14 @@ def extrapolate(a, b, at_a: int, at_b: int, at: int):
 def remat_flops(model_cfg, seq_len: int, tokens_per_device: float, expert_rounds: int = 1) -> float:
     """The forward recompute a step adds, analytic: `train/flops.py` `remat_flops` (what the layers' remat policy
     recomputes, per part), plus the vocabulary-chunked heads' logits (main and MTP, `vocab_chunk_size`), which
-    models/head.py recomputes in the backward whatever the policy: 2 x vocab x width per token each."""
+    models/head.py recomputes in the backward whatever the policy: 2 x vocab x width per token each. The fused
+    heads (`fused_head_rows`) recompute nothing: their gradients are formed in the forward."""
     from lingpack.train import flops as flops_lib
     if not hasattr(model_cfg, "vocab_size"):
         return 0.0
     heads = 1 + getattr(model_cfg, "mtp_num_layers", 0)
-    logits = 2.0 * model_cfg.vocab_size * model_cfg.emb_dim * heads if getattr(model_cfg, "vocab_chunk_size", 0) else 0.0
+    recomputed = getattr(model_cfg, "vocab_chunk_size", 0) and not getattr(model_cfg, "fused_head_rows", 0)
+    logits = 2.0 * model_cfg.vocab_size * model_cfg.emb_dim * heads if recomputed else 0.0
     layers = flops_lib.remat_flops(model_cfg, seq_len=seq_len, expert_rounds=expert_rounds)
     return (logits + layers) * tokens_per_device
 

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from lingpack import distributed
 from lingpack.data.config import DataConfig
 from lingpack.errors import ConfigError
+from lingpack.models.head import LMHead
 from lingpack.parallel.context import context_parallel
 from lingpack.parallel.layout import Layout, activation_layout
 from lingpack.parallel.reorder import reorder_batch
@@ -68,7 +69,9 @@ def make_eval_step(model_def, loss_cfg: LossConfig, *, micro_batches: int, mesh=
 
         def body(acc, mb):
             out = model(mb["inputs"], mb["inputs_segmentation"], mb["inputs_position"])
-            _, stats = loss_lib.micro_batch_loss(out.head, list(out.mtp_heads), out.moe_aux, mb, loss_cfg,
+            # no gradient here: the heads' plain cross-entropy, not the fused one's three matmuls
+            heads = [h.replace(fused_rows=0) if isinstance(h, LMHead) else h for h in (out.head, *out.mtp_heads)]
+            _, stats = loss_lib.micro_batch_loss(heads[0], heads[1:], out.moe_aux, mb, loss_cfg,
                                                  totals, num_micro_batches=M, moe_z_loss_weight=moe_z_weight)
             stats = {k: stats[k] for k in STAT_KEYS}
             return stats if acc is None else jax.tree.map(jnp.add, acc, stats), None

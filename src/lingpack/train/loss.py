@@ -32,7 +32,7 @@ import typing
 import jax
 import jax.numpy as jnp
 
-from lingpack.models.head import token_xent, xent  # noqa: F401  (token_xent re-exported)
+from lingpack.models.head import LMHead, fused_objective, token_xent, xent  # noqa: F401  (token_xent re-exported)
 from lingpack.models.mtp import mtp_targets
 from lingpack.precision import at_least_fp32
 from lingpack.train.configs import LossConfig
@@ -75,58 +75,72 @@ def totals(batch: dict, mtp_depths: int) -> Totals:
                   jnp.sum(flat["inputs_segmentation"] != 0).astype(jnp.float32))
 
 
-def _mean_of_group_means(sums_G: jax.Array, counts_G: jax.Array) -> jax.Array:
-    return jnp.mean(sums_G / jnp.maximum(counts_G, 1.0))  # max(., 1): an all-masked group adds 0, as Megatron's clamp
+def _per_row(x_G: jax.Array, B: int) -> jax.Array:
+    """[B, 1]: each row's group value (G contiguous groups of B / G rows)."""
+    return jnp.repeat(x_G, B // x_G.shape[0])[:, None]
 
 
-def micro_batch_loss(logits_BTV: jax.Array, mtp_logits: list, moe_aux: dict | None, batch: dict, cfg: LossConfig,
+def token_weights(masks: list, cfg: LossConfig, step_totals: Totals, num_micro_batches: int) -> list:
+    """Per head (main, then each MTP depth), [B, T]: the objective's derivative in each token's cross-entropy,
+    i.e. the objective is sum over heads and tokens of weight * xent (+ z_loss_weight * the main head's
+    weight * lse^2). The module docstring's reductions written per token: a masked token's weight is 0."""
+    M, G, D = num_micro_batches, cfg.megatron_dp_size, len(masks) - 1
+    scale = [1.0] + [cfg.mtp_loss_scale / max(D, 1)] * D  # Megatron: mtp_loss_scaling_factor / mtp_num_layers per depth
+    if cfg.mode == "megatron" and not cfg.calculate_per_token_loss:   # mean over groups of each group's token mean
+        B = masks[0].shape[0]
+        # max(., 1): an all-masked group adds 0, as Megatron's clamp
+        return [c * m / _per_row(G * M * jnp.maximum(group_sums(m, G), 1.0), B) for c, m in zip(scale, masks)]
+    wide = masks[0].dtype
+    lm_total = jnp.maximum(step_totals.lm_tokens.astype(wide), 1.0)  # an all-masked step gives 0, not NaN
+    # Megatron's per-token mode divides MTP sums by the LM token total; per_token by each depth's own.
+    mtp_den = [lm_total if cfg.mode == "megatron" else jnp.maximum(step_totals.mtp_tokens[d].astype(wide), 1.0)
+               for d in range(D)]
+    return [c * m / den for c, m, den in zip(scale, masks, [lm_total, *mtp_den])]
+
+
+def micro_batch_loss(logits_BTV, mtp_logits: list, moe_aux: dict | None, batch: dict, cfg: LossConfig,
                      step_totals: Totals, *, num_micro_batches: int, moe_z_loss_weight: float = 0.0
                      ) -> tuple[jax.Array, dict]:
     """(this micro-batch's share of the step objective, additive statistics) for one micro-batch.
 
     `logits_BTV` and each of `mtp_logits`: fp32 [B, T, V] logits, or the model's unevaluated `LMHead`
-    (models/head.py: its cross-entropy may run one vocabulary chunk at a time). Summing the first output
-    over the step's micro-batches gives the objective (the module docstring); the statistics add up across
-    micro-batches and go to `metrics`.
+    (models/head.py: its cross-entropy may run one vocabulary chunk at a time, or, with `fused_rows`, form
+    its gradient in the forward from the per-token weights). Summing the first output over the step's
+    micro-batches gives the objective (the module docstring); the statistics add up across micro-batches and
+    go to `metrics`.
     """
     M, G = num_micro_batches, cfg.megatron_dp_size
-    mask_BT = loss_mask(batch)
-    xent_BT, lse_BT = xent(logits_BTV, batch["targets"])
-    lm_sum_G = group_sums(xent_BT * mask_BT, G)
-    count_G = group_sums(mask_BT, G)
-    train_sum_G = lm_sum_G
-    if cfg.z_loss_weight:
-        train_sum_G = train_sum_G + cfg.z_loss_weight * group_sums(lse_BT ** 2 * mask_BT, G)
+    mtp = mtp_masks(batch, len(mtp_logits))
+    heads = [logits_BTV, *mtp_logits]
+    targets = [batch["targets"], *(t for t, _ in mtp)]
+    wide = at_least_fp32((logits_BTV.h_BTD if isinstance(logits_BTV, LMHead) else logits_BTV).dtype)
+    masks = [loss_mask(batch), *(m for _, m in mtp)]
+    # in the logits' dtype (fp32, or float64): 0/1 masks are exact in any float
+    weights = token_weights([m.astype(wide) for m in masks], cfg, step_totals, M)
+    z_weights = [cfg.z_loss_weight * weights[0]] + [jnp.zeros_like(w) for w in weights[1:]]
+    if isinstance(logits_BTV, LMHead) and logits_BTV.fused_rows:
+        objective, xents, lses = fused_objective(heads, targets, weights, z_weights)
+    else:
+        xents, lses = zip(*(xent(h, t) for h, t in zip(heads, targets)))
+        objective = sum(jnp.sum(w * x + z * lse ** 2) for w, z, x, lse in zip(weights, z_weights, xents, lses))
 
-    mtp_sum_DG, mtp_count_DG = [], []
-    for (tgt_BT, mtp_mask_BT), mtp_logits_BTV in zip(mtp_masks(batch, len(mtp_logits)), mtp_logits):
-        mtp_xent_BT, _ = xent(mtp_logits_BTV, tgt_BT)
-        mtp_sum_DG.append(group_sums(mtp_xent_BT * mtp_mask_BT, G))
-        mtp_count_DG.append(group_sums(mtp_mask_BT, G))
-    D = len(mtp_logits)
-    mtp_sum_DG = jnp.stack(mtp_sum_DG) if D else jnp.zeros((0, G), jnp.float32)
-    mtp_count_DG = jnp.stack(mtp_count_DG) if D else jnp.zeros((0, G), jnp.float32)
-    mtp_weight = cfg.mtp_loss_scale / max(D, 1)  # Megatron: mtp_loss_scaling_factor / mtp_num_layers per depth
+    mask_BT, D = masks[0], len(mtp_logits)
+    lm_sum_G, count_G = group_sums(xents[0] * mask_BT, G), group_sums(mask_BT, G)
+    if D:
+        mtp_sum_DG = jnp.stack([group_sums(x * m, G) for x, m in zip(xents[1:], masks[1:])])
+        mtp_count_DG = jnp.stack([group_sums(m, G) for m in masks[1:]])
+    else:
+        mtp_sum_DG = mtp_count_DG = jnp.zeros((0, G), jnp.float32)
 
     if moe_aux is not None and moe_aux["router_z_loss"].size:
         z_dtype = at_least_fp32(moe_aux["router_z_loss"].dtype)   # the router's dtype: fp32, or float64
         moe_z_L, moe_n_L = moe_aux["router_z_loss"].astype(z_dtype), moe_aux["num_tokens"].astype(z_dtype)
     else:
         moe_z_L = moe_n_L = jnp.zeros((0,), jnp.float32)
-
     if cfg.mode == "megatron" and not cfg.calculate_per_token_loss:
-        objective = _mean_of_group_means(train_sum_G, count_G) / M
-        if D:
-            per_depth = jnp.stack([_mean_of_group_means(s, c) for s, c in zip(mtp_sum_DG, mtp_count_DG)])
-            objective += mtp_weight * jnp.sum(per_depth) / M
         objective += moe_z_loss_weight * jnp.sum(moe_z_L / jnp.maximum(moe_n_L, 1.0)) / M
     else:
-        lm_total = jnp.maximum(step_totals.lm_tokens, 1.0)  # an all-masked step gives 0, not NaN
-        objective = jnp.sum(train_sum_G) / lm_total
-        if D:
-            # Megatron's per-token mode divides MTP sums by the LM token total; per_token by each depth's own.
-            mtp_den_D = lm_total if cfg.mode == "megatron" else jnp.maximum(step_totals.mtp_tokens, 1.0)
-            objective += mtp_weight * jnp.sum(jnp.sum(mtp_sum_DG, axis=1) / mtp_den_D)
+        lm_total = jnp.maximum(step_totals.lm_tokens, 1.0)
         z_den = lm_total if cfg.mode == "megatron" else jnp.maximum(step_totals.real_tokens, 1.0)
         objective += moe_z_loss_weight * jnp.sum(moe_z_L) / z_den
 

@@ -161,3 +161,33 @@ def test_layer_scan_backward_fills_no_residuals_of_the_other_mixer():
         return jnp.sum(out.logits_BTV ** 2)
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
     assert _zero_filled_cond_outputs(jaxpr.jaxpr) == []
+
+
+def _barriers_holding(jaxpr, shape) -> list:
+    """Operand counts of the optimization barriers (in a jaxpr and those nested in it) with a `shape` operand."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "optimization_barrier" and any(v.aval.shape == shape for v in eqn.invars):
+            found.append(len(eqn.invars))
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            found += _barriers_holding(sub, shape)
+    return found
+
+
+def test_unrolled_layers_hand_on_their_input_cotangent_with_their_weight_gradients():
+    """Each unrolled layer's backward passes its input's cotangent on only together with its parameters'
+    gradients (one barrier over both): XLA:TPU otherwise held every unrolled layer's unreduced fp32 weight
+    gradients from its backward to the update (docs/benchmarks.md, the flagship's depth)."""
+    cfg = dataclasses.replace(DEEP, num_layers=4, remat=True, remat_policy="nothing_saveable", scan_layers=False,
+                              mtp_num_layers=0)
+    model = Ling3(cfg, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batch = {k: jnp.asarray(v) for k, v in packed_batch([[5, 1, 14], [20]], 20, 64, np.random.default_rng(0)).items()}
+
+    def loss(params):
+        out = nnx.merge(graphdef, params, rest)(batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
+        return jnp.sum(out.logits_BTV ** 2)
+    layer_params = [len(jax.tree.leaves(nnx.state(layer, nnx.Param))) for layer in model.layers]
+    held = _barriers_holding(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, (2, 20, cfg.emb_dim))
+    held = sorted(n for n in held if n > 1)   # the checkpoint's other barriers hold one array each
+    assert len(held) == len(layer_params) and all(n > p for n, p in zip(held, sorted(layer_params))), (held, layer_params)

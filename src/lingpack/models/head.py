@@ -284,6 +284,9 @@ def fused_objective(heads: list, targets: list, cx: list, cz: list) -> tuple[jax
 def _fused_objective(heads, targets, cx, cz):
     head = heads[0]
     w, vocab_axis, rows = head.w, head.vocab_axis, head.fused_rows
+    if any(hd.w.shape != w.shape or hd.vocab_axis != vocab_axis for hd in heads):
+        raise ValueError(f"fused_objective: the heads must share one weight; got {[hd.w.shape for hd in heads]} "
+                         f"with vocab axes {[hd.vocab_axis for hd in heads]}")
     h_HBTD = jnp.stack([hd.h_BTD for hd in heads])
     t_HBT, cx_HBT, cz_HBT = (jnp.stack(a).astype(dt) for a, dt in ((targets, jnp.int32), (cx, w.dtype), (cz, w.dtype)))
     H, B, T, D = h_HBTD.shape

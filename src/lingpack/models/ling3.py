@@ -63,7 +63,10 @@ def checkpoint_in_order(fn, policy):
     A plain checkpoint's recomputation depends on the saved inputs alone, so XLA may schedule every unrolled
     layer's recomputed forward at the start of the backward pass, all live at once (remat in name only;
     the layer scan is immune: its loop runs one layer at a time). Tying the residuals to the cotangent with
-    an optimization barrier orders each layer's recomputation after the layers above it.
+    an optimization barrier orders each layer's recomputation after the layers above it. A second barrier
+    hands on the layer's input cotangent only with its parameters' gradients: XLA:TPU otherwise reduced the
+    unrolled layers' weight gradients over the FSDP axis (a full-size all-reduce, then a slice) just before
+    the update, every layer's full-size fp32 gradient live through the whole backward.
     """
     checkpointed = jax.checkpoint(fn, policy=policy)
 
@@ -77,7 +80,7 @@ def checkpoint_in_order(fn, policy):
     def bwd(vjp_fn, g):
         anchor = 0.0 * jnp.ravel(jax.tree.leaves(g)[0])[0].astype(jnp.float32)  # 0, but only once g exists
         tie = lambda r: r + anchor.astype(r.dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r
-        return jax.tree.map(tie, vjp_fn)(g)
+        return jax.lax.optimization_barrier(jax.tree.map(tie, vjp_fn)(g))
 
     call.defvjp(fwd, bwd)
     return call

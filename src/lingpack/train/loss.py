@@ -23,6 +23,9 @@ Extra terms:
     mean. The model sums it over a micro-batch, so with G > 1 the per-rank means are taken over the
     whole micro-batch (the lm and MTP terms stay exact; this term, weighted ~3e-6, is approximate).
 All sums and logits are fp32 (float64 with float64 logits); masks are 0/1 fp32 and counts fp32, exact below 2^24.
+The objective is evaluated per token: `token_weights` writes each reduction above as a weight on each
+token's cross-entropy (mask over its group's or the step's count), so that a fused head can take the
+weights and form its gradient in the forward (models/head.py).
 """
 
 from __future__ import annotations

@@ -337,7 +337,7 @@ RULES: dict[str, Rule] = {
     **{f"model.{k}": no_loss(_PERF) for k in
        ("kda_impl", "kda_chunk_size", "kda_max_segs", "kda_interpret", "attention_impl", "attention_block_size",
         "remat", "remat_policy", "remat_policy_kda", "remat_policy_mla", "remat_policy_moe", "scan_layers",
-        "vocab_chunk_size")},
+        "vocab_chunk_size", "fused_head_rows")},
     "model.kda.num_heads": maps(_kda_flags, _kda_note), "model.kda.head_dim": part_of("model.kda.num_heads"),
     "model.kda.conv_size": part_of("model.kda.num_heads"),
     "model.kda.lower_bound": part_of("model.kda.num_heads"),

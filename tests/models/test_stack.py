@@ -178,8 +178,8 @@ def test_unrolled_layers_hand_on_their_input_cotangent_with_their_weight_gradien
     """Each unrolled layer's backward passes its input's cotangent on only together with its parameters'
     gradients (one barrier over both): XLA:TPU otherwise held every unrolled layer's unreduced fp32 weight
     gradients from its backward to the update (docs/benchmarks.md, the flagship's depth)."""
-    cfg = dataclasses.replace(DEEP, num_layers=4, remat=True, remat_policy="nothing_saveable", scan_layers=False,
-                              mtp_num_layers=0)
+    cfg = dataclasses.replace(DEEP, num_layers=3, remat=True, remat_policy="nothing_saveable", scan_layers=False,
+                              mtp_num_layers=0)   # a dense layer, then KDA and MLA MoE layers
     model = Ling3(cfg, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     batch = {k: jnp.asarray(v) for k, v in packed_batch([[5, 1, 14], [20]], 20, 64, np.random.default_rng(0)).items()}

@@ -147,11 +147,8 @@ def _zero_filled_cond_outputs(jaxpr) -> list:
     return found
 
 
-def test_layer_scan_backward_fills_no_residuals_of_the_other_mixer():
-    """Under remat the backward recomputes each layer; linearising the KDA/MLA cond there would return the union
-    of both mixers' residuals, the branch taken filling the other's with zeros (activation-sized buffers written
-    every layer). Each mixer is checkpointed inside the cond instead, its output saved by the layer."""
-    cfg = dataclasses.replace(DEEP, remat=True, remat_policy="nothing_saveable")
+def _grad_jaxpr(cfg):
+    """(the model, the jaxpr of its parameters' gradient) for a sum of squared logits on two packed rows of 20."""
     model = Ling3(cfg, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     batch = {k: jnp.asarray(v) for k, v in packed_batch([[5, 1, 14], [20]], 20, 64, np.random.default_rng(0)).items()}
@@ -159,8 +156,15 @@ def test_layer_scan_backward_fills_no_residuals_of_the_other_mixer():
     def loss(params):
         out = nnx.merge(graphdef, params, rest)(batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
         return jnp.sum(out.logits_BTV ** 2)
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
-    assert _zero_filled_cond_outputs(jaxpr.jaxpr) == []
+    return model, jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+
+
+def test_layer_scan_backward_fills_no_residuals_of_the_other_mixer():
+    """Under remat the backward recomputes each layer; linearising the KDA/MLA cond there would return the union
+    of both mixers' residuals, the branch taken filling the other's with zeros (activation-sized buffers written
+    every layer). Each mixer is checkpointed inside the cond instead, its output saved by the layer."""
+    _, jaxpr = _grad_jaxpr(dataclasses.replace(DEEP, remat=True, remat_policy="nothing_saveable"))
+    assert _zero_filled_cond_outputs(jaxpr) == []
 
 
 def _barriers_holding(jaxpr, shape) -> list:
@@ -177,17 +181,11 @@ def _barriers_holding(jaxpr, shape) -> list:
 def test_unrolled_layers_hand_on_their_input_cotangent_with_their_weight_gradients():
     """Each unrolled layer's backward passes its input's cotangent on only together with its parameters'
     gradients (one barrier over both): XLA:TPU otherwise held every unrolled layer's unreduced fp32 weight
-    gradients from its backward to the update (docs/benchmarks.md, the flagship's depth)."""
+    gradients from its backward to the update (docs/parallelism.md#its-memory-on-xlatpu)."""
     cfg = dataclasses.replace(DEEP, num_layers=3, remat=True, remat_policy="nothing_saveable", scan_layers=False,
                               mtp_num_layers=0)   # a dense layer, then KDA and MLA MoE layers
-    model = Ling3(cfg, rngs=nnx.Rngs(0))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    batch = {k: jnp.asarray(v) for k, v in packed_batch([[5, 1, 14], [20]], 20, 64, np.random.default_rng(0)).items()}
-
-    def loss(params):
-        out = nnx.merge(graphdef, params, rest)(batch["inputs"], batch["inputs_segmentation"], batch["inputs_position"])
-        return jnp.sum(out.logits_BTV ** 2)
+    model, jaxpr = _grad_jaxpr(cfg)
     layer_params = [len(jax.tree.leaves(nnx.state(layer, nnx.Param))) for layer in model.layers]
-    held = _barriers_holding(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, (2, 20, cfg.emb_dim))
+    held = _barriers_holding(jaxpr, (2, 20, cfg.emb_dim))
     held = sorted(n for n in held if n > 1)   # the checkpoint's other barriers hold one array each
     assert len(held) == len(layer_params) and all(n > p for n, p in zip(held, sorted(layer_params))), (held, layer_params)

@@ -43,6 +43,7 @@ def records(run_dir: Path) -> list:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow   # 35 s of the default suite; tests/train/test_train_loop.py resumes after SIGTERM in-process
 def test_sigterm_then_resume_gives_one_record_per_step(tmp_path):
     run_dir = tmp_path / "run"
     args = [*FAST, "train.eval_every=2", "train.eval_batches=1", f"hydra.run.dir={run_dir}",

@@ -183,6 +183,19 @@ def test_perturbing_one_document_leaves_the_others_bit_identical(mesh, load_bala
         assert not np.array_equal(a[doc], b[doc]), f"{name} of the perturbed document must change"
 
 
+def test_rows_sharing_a_device_keep_their_own_blocks():
+    """context=4 only: every device holds both rows, two zigzag blocks of each, run as four kernel rows."""
+    mesh = Mesh(np.array(jax.devices()[:N]), ("context",))
+    xs = inputs("crossing_and_mid_block", seed=3)
+    o_ref, s_ref = jax.jit(single_fn())(*xs)
+    run = lambda q, k, v, g, beta, seg, h0: kda_cp.chunk_kda_context_parallel(
+        q, k, v, g, beta, segment_ids=seg, mesh=mesh, load_balance=True, initial_state=h0, output_final_state=True,
+        chunk_size=CHUNK)
+    o, s = jax.jit(run)(*to_layout(xs, True))
+    assert_rel_per_shard(from_layout(o, True), o_ref, "o", True)
+    assert_rel(s, s_ref, "final state")
+
+
 def test_bad_length_names_the_fix(mesh):
     xs = inputs("one_document_per_row")
     with pytest.raises(ValueError, match="2 x context=4"):

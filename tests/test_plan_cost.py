@@ -44,6 +44,42 @@ ENTRY %main (p0: bf16[8,128]) -> bf16[8,128] {
     assert parts["k"] == "mla" and parts["cd"] == "layers (other)" and parts["o"] == "layers (other)"
 
 
+def test_a_sliced_prefetch_moves_each_slice_once_and_its_concat_bitcast_nothing():
+    """XLA:TPU's memory-space assignment prefetches a buffer in slices (`slice-start`/`slice-done` of a tuple
+    (operand, slice, context)) and views them as one buffer with a `ConcatBitcast` custom call (seen for v6e):
+    the prefetch moves the buffer's bytes once; the part of it the fusion between start and done hides is not
+    exposed."""
+    mib, slices = 2 ** 20, 4
+    size = slices * 4 * mib
+    starts = "\n".join(
+        f"  %ss{i} = ((s8[{size}]{{0}}), s8[{4 * mib}]{{0:S(1)}}, s32[]{{:S(2)}}) slice-start(%p0), "
+        f"slice={{[{i * 4 * mib}:{(i + 1) * 4 * mib}]}}" for i in range(slices))
+    dones = "\n".join(f"  %sd{i} = s8[{4 * mib}]{{0:S(1)}} slice-done(%ss{i})" for i in range(slices))
+    text = f"""
+%f (a: f32[256,1024]) -> f32[256,1024] {{
+  %a = f32[256,1024]{{1,0}} parameter(0)
+  ROOT %m = f32[256,1024]{{1,0}} multiply(%a, %a)
+}}
+
+ENTRY %main (p0: s8[{size}], p1: f32[256,1024]) -> s8[{size}] {{
+  %p0 = s8[{size}]{{0}} parameter(0)
+  %p1 = f32[256,1024]{{1,0}} parameter(1)
+{starts}
+  %busy = f32[256,1024]{{1,0}} fusion(%p1), kind=kLoop, calls=%f
+{dones}
+  ROOT %cb = s8[{size}]{{0:S(1)}} custom-call({", ".join(f"%sd{i}" for i in range(slices))}), custom_call_target="ConcatBitcast"
+}}
+"""
+    chip = chips.chip("v6e")
+    planned = cost.program_cost(text, chip)
+    busy = 2 * mib / chip.hbm_bw                    # the fusion reads and writes 1 MiB
+    assert planned["by_kind"]["fusion"] == pytest.approx(busy)
+    # each slice's own transfer is 4 MiB; the fusion hides its time from every slice started before it
+    assert planned["by_kind"]["slice-start"] == pytest.approx(slices * max(0.0, 4 * mib / chip.hbm_bw - busy))
+    assert planned["hidden_s"] == pytest.approx(size / chip.hbm_bw - planned["by_kind"]["slice-start"])
+    assert "custom-call" not in planned["by_kind"]
+
+
 def _instructions(text):
     for line in text.splitlines():
         found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\(", line)

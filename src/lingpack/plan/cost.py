@@ -13,8 +13,10 @@ Per top-level instruction of the compiled HLO (`compiled.as_text()`, after fusio
   collective          bytes one device sends (ring algorithms) over the ICI links of the torus dimensions its
                       replica group spans (2 directions per dimension); an async `-start`/`-done` pair is
                       hidden behind the compute the schedule places between them, only the rest is exposed
-  copy-start/done     HBM <-> on-chip memory prefetches: bytes / HBM bandwidth, hidden like a collective
+  copy-start/done     HBM <-> on-chip memory prefetches: bytes / HBM bandwidth, hidden like a collective;
+  slice-start/done    likewise, a prefetch of one slice of a buffer (v6e's sliced prefetches): the slice's bytes
   AllocateBuffer      nothing: an uninitialised buffer (`jax.lax.empty`), no memory traffic
+  ConcatBitcast       nothing: a sliced prefetch's slices seen as one buffer (they already lie contiguously)
 The step is the sum; the roofline of the same instructions is kept beside it (`roofline_s`) as the
 cross-check. Parts come from JAX's name stacks (`op_name`): the model's named scopes (moe, kda, mla,
 head, mtp, embed); outside the forward and backward, the optimizer.
@@ -34,8 +36,11 @@ from lingpack.plan import hlo
 INT64_MAX = 2 ** 63 - 1
 PARTS = ("moe", "kda", "mla", "head", "mtp", "embed")   # named scopes, most specific first
 SCOPE_PARTS = {"head_xent": "head"}   # models/head.py's cross-entropy: the head's matmuls run in the loss
-ALLOCATE = 'custom_call_target="AllocateBuffer"'   # `jax.lax.empty` on TPU: no instruction runs
+# custom calls that move no data: `jax.lax.empty` on TPU; the view of a sliced prefetch's slices, which XLA placed
+# contiguously (xla/service/memory_space_assignment/slice.h, kConcatBitcastCustomCall)
+NO_DATA_CALLS = ('custom_call_target="AllocateBuffer"', 'custom_call_target="ConcatBitcast"')
 CONTAINERS = hlo.NO_TRAFFIC | {"async-start", "async-done", "call-start", "call-done"}
+PREFETCHES = ("copy-start", "slice-start")   # async HBM <-> on-chip memory transfers (memory-space assignment)
 
 
 def traffic(kind: str, result_bytes: float, n: int | None, operand_bytes: float = 0.0) -> float:
@@ -267,13 +272,16 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
                     own[key] = 0.0
                     exposed[key] = seconds
                 continue
-            if opcode == "copy-start":
-                seconds = hlo.shape_bytes(shapes.get(op.operands[0], "")) / chip.hbm_bw if op.operands else 0.0
+            if opcode in PREFETCHES:
+                arrays = re.findall(r"\w+\[[\d,]*\]", op.shape)
+                # a copy moves its operand; a slice-start returns ((operands), slice, context): only the slice moves
+                moved = hlo.shape_bytes(arrays[0] if opcode == "copy-start" else arrays[len(op.operands)])
+                seconds = moved / chip.hbm_bw
                 starts[op.name] = (index, seconds)
-                rows[key] = dict(op=op, kind="copy-start", part=parts[op.name], flops=0.0, bytes=seconds * chip.hbm_bw,
+                rows[key] = dict(op=op, kind=opcode, part=parts[op.name], flops=0.0, bytes=moved,
                                  seconds=seconds, roofline_s=seconds, xla_s=None, basis="HBM")
                 continue
-            if opcode in CONTAINERS or opcode.endswith("-done") or ALLOCATE in op.line:
+            if opcode in CONTAINERS or opcode.endswith("-done") or any(c in op.line for c in NO_DATA_CALLS):
                 continue
             if opcode == "custom-call" and "tpu_custom_call" in op.line:
                 declared, basis = kernel_cost(op.line), "CostEstimate"
@@ -323,7 +331,7 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
         spent = e.times * (own.get(key, 0.0) + exposed.get(key, 0.0))
         total += spent
         roof_total += e.times * row["roofline_s"]
-        if row["kind"].startswith(("collective", "copy-start")) and key in exposed:
+        if (row["kind"].startswith("collective") or row["kind"] in PREFETCHES) and key in exposed:
             hidden += e.times * (row["seconds"] - exposed[key])
         flops_total += e.times * row["flops"]
         xla_cycles_s += e.times * (row["xla_s"] or 0.0)

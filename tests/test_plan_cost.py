@@ -157,6 +157,42 @@ def test_an_all_gather_moves_its_ring_bytes_over_the_links_of_its_torus_dimensio
     assert planned["by_part"]["collectives"] == pytest.approx(sent / (2 * per_direction), rel=1e-6)
 
 
+def _all_to_all(n: int, rows: int) -> str:
+    return f"""
+ENTRY %main (p0: bf16[{rows},1024]) -> bf16[{rows},1024] {{
+  %p0 = bf16[{rows},1024]{{1,0}} parameter(0)
+  ROOT %a = bf16[{rows},1024]{{1,0}} all-to-all(%p0), replica_groups={{{{{",".join(map(str, range(n)))}}}}}, dimensions={{0}}
+}}
+"""
+
+
+@pytest.mark.parametrize("box", [(8, 1, 1), (2, 4, 1), (2, 2, 2)], ids=["line", "2x4", "2x2x2"])
+def test_an_all_to_all_takes_no_less_than_its_groups_bisection_allows(box):
+    """8 chips exchanging 8 MiB each, as a box of the torus (no wraparound): the half of the group on either side
+    of the cut through the longest side sends 8 x 8 MiB / 4 over 8 / L links, one direction each."""
+    chip, rows = chips.chip("v5p"), 4096
+    coords = [list(c) for c in np.ndindex(*box[::-1])]
+    coords = [c[::-1] for c in coords]   # x fastest
+    planned = cost.program_cost(_all_to_all(8, rows), chip, coords=coords)
+    per_direction = chip.link_bw / chip.links / 2
+    longest = max(box)
+    assert planned["by_kind"]["collective all-to-all"] == pytest.approx(
+        longest * rows * 1024 * 2 / 4 / per_direction, rel=1e-9)
+
+
+def test_a_strided_group_shares_its_links_with_the_groups_between_its_members():
+    """4 members 2 apart on a line of 8 chips: each hop crosses 2 links, which the other group (the odd chips)
+    uses too, so the group sends at one link's one-direction bandwidth; a contiguous group at two directions."""
+    chip = chips.chip("v5p")
+    coords = [[x, 0, 0] for x in range(8)]
+    per_direction = chip.link_bw / chip.links / 2
+    assert cost.link_bandwidth([0, 2, 4, 6], coords, chip) == pytest.approx(per_direction)
+    assert cost.link_bandwidth([0, 1, 2, 3], coords, chip) == pytest.approx(2 * per_direction)
+    cube = [[x, y, z] for z in range(4) for y in range(4) for x in range(4)]
+    strided = [x + 4 * y + 16 * z for z in (0, 2) for y in (0, 2) for x in (0, 2)]   # v5p's FSDP groups
+    assert cost.link_bandwidth(strided, cube, chip) == pytest.approx(3 * per_direction)
+
+
 def weights_found(model_cfg):
     """measure.branch_weights for `model_cfg`, and a list that records each conditional it weighed."""
     from lingpack.plan import measure

@@ -11,7 +11,8 @@ Per top-level instruction of the compiled HLO (`compiled.as_text()`, after fusio
                       `kernel_share(name)` where a kernel's grid runs only part of what it declares
                       (Megablox on an expert-parallel receive buffer: plan/measure.py `megablox_share`)
   collective          bytes one device sends (ring algorithms) over the ICI links of the torus dimensions its
-                      replica group spans (2 directions per dimension); an async `-start`/`-done` pair is
+                      replica group spans (2 directions per dimension); an all-to-all no faster than its
+                      group's bisection allows (`bisection_seconds`); an async `-start`/`-done` pair is
                       hidden behind the compute the schedule places between them, only the rest is exposed
   copy-start/done     HBM <-> on-chip memory prefetches: bytes / HBM bandwidth, hidden like a collective;
   slice-start/done    likewise, a prefetch of one slice of a buffer (v6e's sliced prefetches): the slice's bytes
@@ -225,13 +226,35 @@ def replica_group(line: str) -> list[int] | None:
 
 def link_bandwidth(group: list[int] | None, coords: list | None, chip) -> float:
     """Bytes/s one device sends into its replica group: both directions of each ICI link of every torus
-    dimension the group spans (one dimension when the coordinates are not known)."""
+    dimension the group spans (one dimension when the coordinates are not known). Members `s` apart along a
+    dimension (a strided group: FSDP over expert blocks) reach each other over s links that the s interleaved
+    groups running the same collective share: that dimension gives 1/s of a link."""
     per_link = chip.link_bw / max(chip.links, 1) / 2   # one direction of one link
-    dims = 1
+    links = 1.0
     if group and coords and max(group) < len(coords):
         points = np.asarray([coords[d] for d in group])
-        dims = max(1, int((points.max(axis=0) > points.min(axis=0)).sum()))
-    return 2 * dims * per_link
+        strides = [int(np.diff(np.unique(points[:, d])).min()) for d in range(points.shape[1])
+                   if points[:, d].max() > points[:, d].min()]
+        links = sum(1.0 / s for s in strides) if strides else 1.0
+    return 2 * links * per_link
+
+
+def bisection_seconds(kind: str, sent_bytes: float, group: list[int] | None, coords: list | None, chip) -> float:
+    """A lower bound on an all-to-all's time from its group's bisection (0 where none is derived).
+
+    A group that fills a box of the torus, n devices with longest side L, each exchanging `sent_bytes` evenly
+    with all n: half the group sends n x bytes / 4 across the cut through the longest side, which n / L links
+    cross (no wraparound: the slices are compiled without it), each at one direction's bandwidth. So the exchange
+    takes at least L x bytes / 4 / (one link, one direction), above what the devices' own links allow on a small
+    box (a 2x2x2 box: 3.4 x; a line of 8: 4.6 x). Ring collectives (all-gather, all-reduce) are not bounded here.
+    """
+    if kind not in ("all-to-all", "ragged-all-to-all") or not group or not coords or max(group) >= len(coords):
+        return 0.0
+    points = np.asarray([coords[d] for d in group])
+    extent = points.max(axis=0) - points.min(axis=0) + 1
+    if math.prod(int(e) for e in extent) != len(group) or extent.max() < 2:   # not a box, or one device
+        return 0.0
+    return int(extent.max()) * sent_bytes / 4 / (chip.link_bw / max(chip.links, 1) / 2)
 
 
 def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=None, kernel_share=None) -> dict:
@@ -263,7 +286,9 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
                 if opcode.endswith("-start") and op.shape.startswith("("):   # (operands, result, ...) tuples
                     result = hlo.shape_bytes(op.shape) - operand
                 sent = 0.0 if n == 1 else traffic(kind, result, n, operand)
-                seconds = sent / link_bandwidth(group, coords, chip)
+                exchanged = operand if kind == "ragged-all-to-all" and operand else result
+                seconds = max(sent / link_bandwidth(group, coords, chip),
+                              bisection_seconds(kind, exchanged, group, coords, chip) if sent else 0.0)
                 rows[key] = dict(op=op, kind="collective " + kind, part="collectives", flops=0.0, bytes=sent,
                                  seconds=seconds, roofline_s=seconds, xla_s=None, basis="ICI links")
                 if opcode.endswith("-start"):

@@ -43,7 +43,7 @@ SCENARIOS = {
 }
 SEARCH = 4                      # meshes planned per scenario, the configured one first
 # planned beside the configured ones: key -> (scenario, extra overrides, environment)
-VARIANTS = {"v5p/t8k/remat-policies": ("t8k", ["plan.remat_policies=[minimal,save_moe_proj]"],
+VARIANTS = {"v5p/t8k/remat-policies": ("t8k", ["plan.remat_policies=[minimal,save_moe_proj,save_moe_exchange]"],
                                        {"LIBTPU_INIT_ARGS": " "})}   # libtpu's own defaults, not the launch flags
 DEPTH_LAYERS = 9
 FLOPS_KEYS = ("v5p/t8k/configured", "v5p/t128k/configured")   # the plans whose compiled FLOPs are itemised

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from train_helpers import synthetic_batch, tiny_model_def, tree_allclose
 
 from lingpack.train.configs import LossConfig, OptimConfig, ParallelConfig
-from lingpack.train.sharding import logical_to_mesh, make_mesh, mesh_shape, shard_batch
+from lingpack.train.sharding import expert_boxes, logical_to_mesh, make_mesh, mesh_shape, shard_batch
 from lingpack.train.step import ModelDef, accumulate_gradients, init_fn, init_train_state, state_shardings
 
 LAYOUTS = [
@@ -98,3 +98,25 @@ def test_mesh_and_rules_errors():
     assert logical_to_mesh(("embed", "mlp"), (16, 32), mesh, ParallelConfig().rules) == P(None, "tensor")
     with pytest.raises(ValueError, match="no rule"):
         logical_to_mesh(("mystery",), (4,), mesh, ParallelConfig().rules)
+
+
+def _extent(devices) -> tuple:
+    coords = np.asarray([d.coords for d in devices])
+    return tuple(int(e) for e in coords.max(axis=0) - coords.min(axis=0) + 1)
+
+
+def test_expert_groups_are_compact_boxes_on_a_2d_tpu_torus():
+    """64 v6e chips (an 8x8 torus, libtpu's topology, no TPU needed): fsdp=8 x expert=8 puts every expert group on
+    a 2x4 box (JAX's own layout: a line of 8), every FSDP group one chip per box, each chip once. JAX's layout
+    stays where another inner axis is split, on v5p's 3D cube (its expert groups are 2x2x2) and off TPU."""
+    from lingpack.plan import chips
+    devices = chips.tpu_devices(chips.chip("v6e"), 64)
+    grid = make_mesh(ParallelConfig(data=1, fsdp=8, expert=8), devices=devices).devices.reshape(8, 8)
+    assert sorted(d.id for d in grid.flat) == sorted(d.id for d in devices)
+    assert {_extent(grid[f]) for f in range(8)} == {(2, 4, 1)}
+    for e in range(8):
+        assert len({(c[0] // 2, c[1] // 4) for c in (d.coords for d in grid[:, e])}) == 8   # one chip per box
+    assert expert_boxes(devices, dict(data=1, fsdp=4, tensor=2, expert=8, context=1)) is None
+    assert expert_boxes(chips.tpu_devices(chips.chip("v5p"), 64), dict(data=1, fsdp=8, tensor=1, expert=8,
+                                                                         context=1)) is None
+    assert expert_boxes(jax.devices(), dict(data=1, fsdp=2, tensor=1, expert=4, context=1)) is None   # no coords

@@ -392,6 +392,7 @@ class MoE(nnx.Module):
             # projections do): its outputs and their cotangents are bf16 buffers (half the bytes of fp32 ones over
             # the receive buffer), the SwiGLU is computed in fp32 from them, and the outputs travel back in bf16
             F = w[0].shape[-1]
+            x_MD = tag(x_MD, "expert_inputs")
             gate_up = mm(x_MD, jnp.concatenate([w[0], w[1]], axis=-1), self.dtype)
             gate, up = tag(gate_up[:, :F], "mlpwi_0").astype(wide), tag(gate_up[:, F:], "mlpwi_1").astype(wide)
             return tag(mm((jax.nn.silu(gate) * up).astype(self.dtype), w[2], self.dtype), "mlpwo")
@@ -402,6 +403,7 @@ class MoE(nnx.Module):
                                                exchange=exchange, masked=not unmasked)
         else:
             y_sorted, rounds = experts_fn((wi_gate, wi_up, wo), x_sorted, group_sizes), jnp.ones((), jnp.int32)
+        y_sorted = tag(y_sorted, "expert_outputs")
         # the weighted sum over the top-k accumulates in fp32 (float64 for float64)
         return combine_rows(y_sorted, to, back, weights_NK.astype(wide)).astype(self.dtype), rounds
 

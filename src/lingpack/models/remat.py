@@ -14,13 +14,17 @@ Tags (per token, the matmul outputs of each part):
   out_proj                           the mixer's output projection (KDA / MLA o_proj)
   context                            the KDA kernel's / attention's output, before the output projection
   mlpwi_0, mlpwi_1, mlpwo            the SwiGLU gate / up / down matmuls (routed experts, shared expert, dense MLP)
+  expert_inputs, expert_outputs      the routed experts' rows as their grouped matmuls read them (under expert
+                                     parallelism: as the exchange delivered them) and their outputs back at their
+                                     tokens (after the return exchange): saved, the backward re-runs neither exchange
 
 Policies (`POLICIES`; from most memory and least recompute to least memory):
   everything_saveable      keeps every intermediate: remat in name only
-  minimal_with_context     every tag above
+  minimal_with_context     every tag above but the exchange's (expert_inputs, expert_outputs)
   minimal                  every tag except `context`
   save_dot_except_mlp      the mixer's projections (q/k/v, latents, gates, out), no SwiGLU matmul
   save_moe_proj            the SwiGLU matmuls only (the MoE's grouped matmuls, the biggest of a MoE layer)
+  save_moe_exchange        the routed experts' inputs and outputs: the expert-parallel exchanges run once
   save_qkv_proj            the mixer's input projections (query/key/value, latents)
   save_out_proj            the mixer's output projection
   full                     nothing: everything recomputed from the layer's input (= nothing_saveable)
@@ -46,14 +50,16 @@ OVERRIDABLE = ("kda", "mla", "moe")              # `model.remat_policy_<part>`; 
 _MIXER_IN = ("query_proj", "key_proj", "value_proj", "qkv_proj", "kv_proj")
 _MIXER = _MIXER_IN + ("gate_proj", "out_proj")
 _MLP = ("mlpwi_0", "mlpwi_1", "mlpwo")
-TAGS = _MIXER + ("context",) + _MLP
+_EXCHANGE = ("expert_inputs", "expert_outputs")
+TAGS = _MIXER + ("context",) + _MLP + _EXCHANGE
 
 # name: (tags kept in device memory, tags offloaded to host memory)
 NAMED = {
-    "minimal_with_context": (TAGS, ()),
+    "minimal_with_context": (_MIXER + ("context",) + _MLP, ()),
     "minimal": (_MIXER + _MLP, ()),
     "save_dot_except_mlp": (_MIXER, ()),
     "save_moe_proj": (_MLP, ()),
+    "save_moe_exchange": (_EXCHANGE, ()),
     "save_qkv_proj": (_MIXER_IN, ()),
     "save_out_proj": (("out_proj",), ()),
     "full": ((), ()),

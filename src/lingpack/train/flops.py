@@ -163,5 +163,7 @@ def remat_flops(model_cfg, policy: str | None = None, *, seq_len: int, expert_ro
             routed = flops - (2 * cfg.emb_dim * e.num_shared_experts * e.expert_dim if tag != "mlpwo" else 0)
             total += layers * (flops if recomputed else routed)
             continue
+        if part == "moe" and tag == "mlpwo" and "moe/expert_outputs" in keep:
+            recomputed = False   # the routed outputs are kept: no backward reads the down projection again
         total += layers * flops * recomputed
     return float(total)

@@ -50,12 +50,49 @@ def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
     devices = list(devices)
     sizes = mesh_shape(cfg, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
-    try:
-        from jax.experimental import mesh_utils
-        grid = mesh_utils.create_device_mesh(shape, devices=devices)  # topology-aware on TPU
-    except Exception:  # CPU / unusual device sets: plain order is as good as any
-        grid = np.asarray(devices, dtype=object).reshape(shape)
+    grid = expert_boxes(devices, sizes)
+    if grid is None:
+        try:
+            from jax.experimental import mesh_utils
+            grid = mesh_utils.create_device_mesh(shape, devices=devices)  # topology-aware on TPU
+        except Exception:  # CPU / unusual device sets: plain order is as good as any
+            grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, MESH_AXES)
+
+
+def expert_boxes(devices, sizes: dict[str, int]):
+    """On a 2D TPU torus (v5e, v6e), a device grid whose every `expert` group is a compact box, or None.
+
+    JAX's `create_device_mesh` gives each mesh axis whole torus dimensions there: an `expert` group of 8 on an
+    8x8 slice is a line of 8, and an all-to-all over a line is bounded by the one link at its middle
+    (docs/planning.md#collectives). As a 2x4 box it crosses two. So the torus is tiled with bx x by boxes of
+    `expert` devices (bx x by = expert, bx <= by as square as the sides allow) and the outer axes (data, fsdp)
+    count the boxes: their groups take one device from each box (v5p's 3D cube gets the same shape from JAX:
+    the expert group a 2x2x2 cube, FSDP strided over cubes). Applies when `expert` > 1 is the only inner axis
+    (tensor and context 1) and the devices fill a 2D rectangle; None otherwise (JAX's layout stands).
+    """
+    expert = sizes["expert"]
+    if expert < 2 or sizes["tensor"] > 1 or sizes["context"] > 1 or not all(hasattr(d, "coords") for d in devices):
+        return None
+    coords = np.asarray([list(d.coords)[:3] for d in devices])
+    if coords.shape[1] > 2 and (coords[:, 2] != coords[0, 2]).any():   # a 3D torus: JAX's layout is compact
+        return None
+    sides = coords[:, :2].max(axis=0) - coords[:, :2].min(axis=0) + 1
+    X, Y = int(sides[0]), int(sides[1])
+    if X * Y != len(devices) or len({tuple(c[:2]) for c in coords}) != len(devices):
+        return None
+    fits = [(bx, expert // bx) for bx in range(1, expert + 1)
+            if expert % bx == 0 and X % bx == 0 and Y % (expert // bx) == 0]
+    if not fits:
+        return None
+    bx, by = min(fits, key=lambda b: (max(b), b[0] > b[1]))
+    if min(bx, by) == 1:
+        return None   # a line either way: JAX's layout is as good
+    at = {tuple(c[:2] - coords[:, :2].min(axis=0)): d for c, d in zip(coords, devices)}
+    snake = [(i, j) for i in range(X // bx) for j in (range(Y // by) if i % 2 == 0 else reversed(range(Y // by)))]
+    # boxes in a snake (each next to the one before), then each box's devices
+    order = [at[(i * bx + a, j * by + b)] for i, j in snake for a in range(bx) for b in range(by)]
+    return np.asarray(order, dtype=object).reshape(tuple(sizes[a] for a in MESH_AXES))
 
 
 def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules, dropped: list | None = None):

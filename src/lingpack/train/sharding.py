@@ -64,11 +64,11 @@ def expert_boxes(devices, sizes: dict[str, int]):
     """On a 2D TPU torus (v5e, v6e), a device grid whose every `expert` group is a compact box, or None.
 
     JAX's `create_device_mesh` gives each mesh axis whole torus dimensions there: an `expert` group of 8 on an
-    8x8 slice is a line of 8, and an all-to-all over a line is bounded by the one link at its middle
-    (docs/planning.md#collectives). As a 2x4 box it crosses two. So the torus is tiled with bx x by boxes of
-    `expert` devices (bx x by = expert, bx <= by as square as the sides allow) and the outer axes (data, fsdp)
-    count the boxes: their groups take one device from each box (v5p's 3D cube gets the same shape from JAX:
-    the expert group a 2x2x2 cube, FSDP strided over cubes). Applies when `expert` > 1 is the only inner axis
+    8x8 slice is a line of 8, whose all-to-all crosses the one link at its middle; a 2x4 box crosses two
+    (docs/planning.md#collectives-on-the-torus). So the torus is tiled with bx x by boxes of `expert` devices
+    (bx x by = expert, as square as the sides allow, bx <= by) and the outer axes (data, fsdp) count the boxes,
+    in a snake: their groups take one device from each box (JAX gives v5p's 3D cube this shape itself: the
+    expert group a 2x2x2 cube, FSDP strided over cubes). Applies when `expert` > 1 is the only inner axis
     (tensor and context 1) and the devices fill a 2D rectangle; None otherwise (JAX's layout stands).
     """
     expert = sizes["expert"]

@@ -171,8 +171,7 @@ def test_an_all_to_all_takes_no_less_than_its_groups_bisection_allows(box):
     """8 chips exchanging 8 MiB each, as a box of the torus (no wraparound): the half of the group on either side
     of the cut through the longest side sends 8 x 8 MiB / 4 over 8 / L links, one direction each."""
     chip, rows = chips.chip("v5p"), 4096
-    coords = [list(c) for c in np.ndindex(*box[::-1])]
-    coords = [c[::-1] for c in coords]   # x fastest
+    coords = [[x, y, z] for z in range(box[2]) for y in range(box[1]) for x in range(box[0])]
     planned = cost.program_cost(_all_to_all(8, rows), chip, coords=coords)
     per_direction = chip.link_bw / chip.links / 2
     longest = max(box)

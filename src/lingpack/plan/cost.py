@@ -51,7 +51,13 @@ def traffic(kind: str, result_bytes: float, n: int | None, operand_bytes: float 
     n = n or 2
     factor = {"all-gather": (n - 1) / n, "all-to-all": (n - 1) / n, "ragged-all-to-all": (n - 1) / n,
               "reduce-scatter": n - 1, "all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}[kind]
-    return (operand_bytes if kind == "ragged-all-to-all" and operand_bytes else result_bytes) * factor
+    return exchanged_bytes(kind, result_bytes, operand_bytes) * factor
+
+
+def exchanged_bytes(kind: str, result_bytes: float, operand_bytes: float = 0.0) -> float:
+    """The per-device array a collective's traffic scales with: a ragged all-to-all's input (the rows it
+    sends, not the worst-case receive buffer), else its result."""
+    return operand_bytes if kind == "ragged-all-to-all" and operand_bytes else result_bytes
 
 
 def part(line: str) -> str | None:
@@ -224,19 +230,28 @@ def replica_group(line: str) -> list[int] | None:
     return None
 
 
+def _one_direction(chip) -> float:
+    return chip.link_bw / max(chip.links, 1) / 2   # bytes/s of one direction of one link
+
+
+def _points(group: list[int] | None, coords: list | None):
+    """The group's torus coordinates [n, dims], or None where either is unknown."""
+    if not group or not coords or max(group) >= len(coords):
+        return None
+    return np.asarray([coords[d] for d in group])
+
+
 def link_bandwidth(group: list[int] | None, coords: list | None, chip) -> float:
     """Bytes/s one device sends into its replica group: both directions of each ICI link of every torus
     dimension the group spans (one dimension when the coordinates are not known). Members `s` apart along a
     dimension (a strided group: FSDP over expert blocks) reach each other over s links that the s interleaved
     groups running the same collective share: that dimension gives 1/s of a link."""
-    per_link = chip.link_bw / max(chip.links, 1) / 2   # one direction of one link
-    links = 1.0
-    if group and coords and max(group) < len(coords):
-        points = np.asarray([coords[d] for d in group])
+    points, links = _points(group, coords), 1.0
+    if points is not None:
         strides = [int(np.diff(np.unique(points[:, d])).min()) for d in range(points.shape[1])
                    if points[:, d].max() > points[:, d].min()]
         links = sum(1.0 / s for s in strides) if strides else 1.0
-    return 2 * links * per_link
+    return 2 * links * _one_direction(chip)
 
 
 def bisection_seconds(kind: str, sent_bytes: float, group: list[int] | None, coords: list | None, chip) -> float:
@@ -248,13 +263,13 @@ def bisection_seconds(kind: str, sent_bytes: float, group: list[int] | None, coo
     takes at least L x bytes / 4 / (one link, one direction), above what the devices' own links allow on a small
     box (a 2x2x2 box: 3.4 x; a line of 8: 4.6 x). Ring collectives (all-gather, all-reduce) are not bounded here.
     """
-    if kind not in ("all-to-all", "ragged-all-to-all") or not group or not coords or max(group) >= len(coords):
+    points = _points(group, coords)
+    if kind not in ("all-to-all", "ragged-all-to-all") or points is None:
         return 0.0
-    points = np.asarray([coords[d] for d in group])
     extent = points.max(axis=0) - points.min(axis=0) + 1
     if math.prod(int(e) for e in extent) != len(group) or extent.max() < 2:   # not a box, or one device
         return 0.0
-    return int(extent.max()) * sent_bytes / 4 / (chip.link_bw / max(chip.links, 1) / 2)
+    return int(extent.max()) * sent_bytes / 4 / _one_direction(chip)
 
 
 def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=None, kernel_share=None) -> dict:
@@ -286,9 +301,8 @@ def program_cost(text: str, chip, *, coords: list | None = None, branch_weights=
                 if opcode.endswith("-start") and op.shape.startswith("("):   # (operands, result, ...) tuples
                     result = hlo.shape_bytes(op.shape) - operand
                 sent = 0.0 if n == 1 else traffic(kind, result, n, operand)
-                exchanged = operand if kind == "ragged-all-to-all" and operand else result
-                seconds = max(sent / link_bandwidth(group, coords, chip),
-                              bisection_seconds(kind, exchanged, group, coords, chip) if sent else 0.0)
+                seconds = max(sent / link_bandwidth(group, coords, chip), bisection_seconds(
+                    kind, exchanged_bytes(kind, result, operand), group, coords, chip) if sent else 0.0)
                 rows[key] = dict(op=op, kind="collective " + kind, part="collectives", flops=0.0, bytes=sent,
                                  seconds=seconds, roofline_s=seconds, xla_s=None, basis="ICI links")
                 if opcode.endswith("-start"):

@@ -95,10 +95,12 @@ _PRIMITIVE_AS = {"nothing_saveable": "full", "dots_saveable": "minimal_with_cont
                  "dots_with_no_batch_dims_saveable": "minimal_with_context"}
 
 
-def forward_terms(cfg, seq_len: int) -> list[tuple[str, str | None, float, int]]:
-    """(part, remat tag or None, forward FLOPs per token, layers) of every matmul and kernel of the remat'ed layers.
+def forward_terms(cfg, seq_len: int) -> list[tuple[str, tuple, float, int]]:
+    """(part, remat tags, forward FLOPs per token, layers) of every matmul and kernel of the remat'ed layers.
 
-    Tag None: never saved by a named policy (router, MTP input projection, the mixer kernels, whose custom VJPs
+    A term is not recomputed when one of its tags is kept: its own output's, or a later value that makes it
+    unneeded (the routed down projection: `mlpwo`, or `expert_outputs`, the outputs after the return exchange).
+    No tags: never saved by a named policy (router, MTP input projection, the mixer kernels, whose custom VJPs
     recompute their forward from their inputs), so always recomputed. Outputs no backward reads (the mixer's
     out_proj, the shared expert's and dense MLP's down projection: only added to the residual) are left out:
     the backward never recomputes them. FLOPs: 2 per multiply-add, as `flops_per_token`.
@@ -121,12 +123,13 @@ def forward_terms(cfg, seq_len: int) -> list[tuple[str, str | None, float, int]]
     e, S = cfg.moe, cfg.moe.num_shared_experts * cfg.moe.expert_dim
     moe = [(None, 2 * D * e.num_experts),                                              # router
            ("mlpwi_0", 2 * e.top_k * D * e.expert_dim + 2 * D * S), ("mlpwi_1", 2 * e.top_k * D * e.expert_dim + 2 * D * S),
-           ("mlpwo", 2 * e.top_k * e.expert_dim * D)]                                  # routed down: its output weighs the routing
+           (("mlpwo", "expert_outputs"), 2 * e.top_k * e.expert_dim * D)]              # routed down: its output weighs the routing
     mlp = [("mlpwi_0", 2 * D * cfg.mlp_dim), ("mlpwi_1", 2 * D * cfg.mlp_dim)]
     terms = [("kda", t, f, n_kda) for t, f in kda] + [("mla", t, f, n_mla) for t, f in mla]
     terms += [("moe", t, f, n_moe) for t, f in moe] + [("mlp", t, f, n_mlp) for t, f in mlp]
     terms.append(("mtp", None, 2 * 2 * D * D, cfg.mtp_num_layers))                     # eh_proj of [emb, h] -> D
-    return [t for t in terms if t[3]]
+    return [(part, tag if isinstance(tag, tuple) else (tag,) if tag else (), flops, layers)
+            for part, tag, flops, layers in terms if layers]
 
 
 def remat_flops(model_cfg, policy: str | None = None, *, seq_len: int, expert_rounds: int = 1) -> float:
@@ -156,14 +159,12 @@ def remat_flops(model_cfg, policy: str | None = None, *, seq_len: int, expert_ro
             kept, offloaded = remat_lib.saved_tags(base, overrides)
             keep, kernels = kept | offloaded, True
     total = 0.0
-    for part, tag, flops, layers in forward_terms(cfg, seq_len):
-        recomputed = kernels and (tag is None or f"{part}/{tag}" not in keep)
-        if part == "moe" and tag in ("mlpwi_0", "mlpwi_1", "mlpwo") and expert_rounds > 1:
+    for part, tags, flops, layers in forward_terms(cfg, seq_len):
+        recomputed = kernels and not any(f"{part}/{tag}" in keep for tag in tags)
+        if part == "moe" and tags and tags[0] in ("mlpwi_0", "mlpwi_1", "mlpwo") and expert_rounds > 1:
             e = cfg.moe
-            routed = flops - (2 * cfg.emb_dim * e.num_shared_experts * e.expert_dim if tag != "mlpwo" else 0)
+            routed = flops - (2 * cfg.emb_dim * e.num_shared_experts * e.expert_dim if tags[0] != "mlpwo" else 0)
             total += layers * (flops if recomputed else routed)
             continue
-        if part == "moe" and tag == "mlpwo" and "moe/expert_outputs" in keep:
-            recomputed = False   # the routed outputs are kept: no backward reads the down projection again
         total += layers * flops * recomputed
     return float(total)

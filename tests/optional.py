@@ -4,7 +4,9 @@
 skipped only when the distribution that provides it is not installed at all; an installed package that fails
 to import raises, so a broken install fails instead of passing as a missing extra. `lazy(module, name)` is a
 module-level stand-in that calls `require` on first use, so that a file's tests which need no oracle run
-without the extra.
+without the extra. `installed(module)` skips the file at collection as `require` does, but leaves the import
+to first use: megatron-core takes 6 to 10 s to import, which every pytest worker would otherwise pay while
+collecting.
 """
 from __future__ import annotations
 
@@ -20,6 +22,14 @@ def require(module: str):
         pytest.skip(f"{top} is not installed: the oracles come with the parity extra (pip install -e '.[parity]')",
                     allow_module_level=True)
     return importlib.import_module(module)
+
+
+def installed(module: str, name: str | None = None) -> "lazy":
+    top = module.partition(".")[0]
+    if importlib.util.find_spec(top) is None:
+        pytest.skip(f"{top} is not installed: the oracles come with the parity extra (pip install -e '.[parity]')",
+                    allow_module_level=True)
+    return lazy(module, name)
 
 
 class lazy:  # noqa: N801  (used like a module or a class imported from one)

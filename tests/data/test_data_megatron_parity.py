@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.optional import require
+from tests.optional import installed
 
-require("megatron.core.datasets.gpt_dataset")
+installed("megatron.core.datasets.gpt_dataset")   # imported by the tests that use it (data_helpers)
 
 from data_helpers import EOD, PAD, VOCAB, assert_matches_megatron, megatron_datasets, write_corpus
 

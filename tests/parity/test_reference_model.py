@@ -22,11 +22,11 @@ from lingpack.train import loss as loss_lib
 from lingpack.train import step as step_lib
 from lingpack.train.configs import LossConfig, OptimConfig
 
-from tests.optional import require
+from tests.optional import installed, require
 
 torch = require("torch")
 require("transformers")
-gpt_dataset = require("megatron.core.datasets.gpt_dataset")
+gpt_dataset = installed("megatron.core.datasets.gpt_dataset")
 from lingpack.parity import reference_model  # noqa: E402  (needs torch + transformers)
 from lingpack.parity.megatron_reference import MegatronReferenceTrainer  # noqa: E402
 

@@ -24,6 +24,13 @@ def test_only_v6e_fuses_all_gathers():
     assert set(tpu_flags.flags_for("v5p")) < set(tpu_flags.flags_for("v6e"))
 
 
+def test_the_expert_exchange_is_asynchronous_where_it_is_ragged():
+    # v5e refuses the ragged all-to-all (it takes the dense exchange: backend.expert_exchange)
+    flag = "--xla_tpu_enable_async_ragged_all_to_all=true"
+    assert flag in tpu_flags.flags_for("v5p") and flag in tpu_flags.flags_for("v6e")
+    assert flag not in tpu_flags.flags_for("v5e")
+
+
 @pytest.mark.parametrize("name,generation", [("v5p-64", "v5p"), ("TPU v5", "v5p"), ("TPU v6 lite", "v6e"),
                                              ("v6e-256", "v6e"), ("v5litepod-16", "v5e"), ("TPU v5 lite", "v5e")])
 def test_generation_from_chip_names(name, generation):

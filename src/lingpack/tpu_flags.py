@@ -36,6 +36,14 @@ GROUPS = {
         "--xla_enable_async_all_reduce=true",
         "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
     ), "gradient all-reduces fused and asynchronous, overlapped the same way"),
+    # the expert exchange is synchronous by default: its whole transfer is exposed. Asynchronous, XLA:TPU's schedule
+    # runs it beside the work that does not wait for it (the recomputed forward's grouped matmuls under the exchange
+    # of the output cotangents, the expert weight gradients under the return of the input gradients; the flagship's
+    # plans: docs/planning.md). Not on v5e: it refuses the ragged all-to-all, and its dense one asynchronous
+    # ("Async all-to-all not supported on limited ICI", libtpu 0.0.42)
+    "async_ragged_all_to_all": ((
+        "--xla_tpu_enable_async_ragged_all_to_all=true",
+    ), "the expert-parallel ragged all-to-all asynchronous, overlapped with the compute that does not need it"),
     "data_parallel_all_reduce": ((
         "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
         "--xla_tpu_data_parallel_opt_different_sized_ops=true",
@@ -43,8 +51,9 @@ GROUPS = {
 }
 # generation -> groups, in order (the async fusions are libtpu defaults on recent versions: set to be sure)
 GENERATIONS = {
-    "v5p": ("async_all_gather", "async_all_reduce", "data_parallel_all_reduce"),
-    "v6e": ("async_all_gather", "fuse_all_gather", "async_all_reduce", "data_parallel_all_reduce"),
+    "v5p": ("async_all_gather", "async_all_reduce", "async_ragged_all_to_all", "data_parallel_all_reduce"),
+    "v6e": ("async_all_gather", "fuse_all_gather", "async_all_reduce", "async_ragged_all_to_all",
+            "data_parallel_all_reduce"),
     "v5e": ("async_all_gather", "async_all_reduce", "data_parallel_all_reduce"),
     "v4": ("async_all_gather", "data_parallel_all_reduce"),
 }

@@ -190,7 +190,8 @@ def table(res: dict) -> str:
     for chip, ops in res["chips"].items():
         t = layer_totals(ops)
         lines.append(f"| {chip} | {t['today_us']:.0f} | {t['per_pair_us']:.0f} | {t['per_pair_us'] / t['today_us']:.2f}"
-                     f" | {(t['today_us'] - t['per_pair_us']) * res['layers'] / 1e3:.0f} | {', '.join(t['receiver'])} |")
+                     f" | {(t['today_us'] - t['per_pair_us']) * res['layers'] / 1e3:.0f} | "
+                     + "; ".join(c.replace("receiver ", "").replace(", ", ": ") for c in t["receiver"]) + " |")
     return "\n".join(lines) + "\n"
 
 

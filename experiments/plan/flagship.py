@@ -44,7 +44,9 @@ SCENARIOS = {
 SEARCH = 4                      # meshes planned per scenario, the configured one first
 # planned beside the configured ones: key -> (scenario, extra overrides, environment)
 VARIANTS = {"v5p/t8k/remat-policies": ("t8k", ["plan.remat_policies=[minimal,save_moe_proj,save_moe_exchange]"],
-                                       {"LIBTPU_INIT_ARGS": " "})}   # libtpu's own defaults, not the launch flags
+                                       {"LIBTPU_INIT_ARGS": " "}),   # libtpu's own defaults, not the launch flags
+            # v6e under the launch flags: its 32 GB hold what save_moe_exchange keeps, v5e's 16 GB do not
+            "v6e/t8k/remat-policies": ("t8k", ["plan.remat_policies=[save_moe_exchange]"], None)}
 DEPTH_LAYERS = 9
 FLOPS_KEYS = ("v5p/t8k/configured", "v5p/t128k/configured")   # the plans whose compiled FLOPs are itemised
 

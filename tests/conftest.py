@@ -128,20 +128,22 @@ HEAVY_DUPLICATES = {
 }
 
 
-# The heaviest default-suite files (process CPU seconds in one idle run on the 2-core machine), run first: `make test`
-# deals whole files (`--dist loadfile`) to whichever worker is free, so a long file started last would leave
-# the other worker idle while it runs.
+# The heaviest default-suite files (the seconds pytest's --durations gave each in one run on the 2-core machine),
+# run first: `make test` deals whole files (`--dist loadfile`) to whichever worker is free, so a long file
+# started last would leave the other worker idle while it runs.
 HEAVY_FILES_FIRST = [
-    "tests/models/test_ling3.py",                           # 43 s
-    "tests/kernels/test_kda_pallas.py",                     # 41 s: Pallas in interpret mode
-    "tests/runner/test_runner_smoke.py",                    # 36 s: run.py SIGTERM + resume
-    "tests/kernels/test_kda.py",                            # 27 s
-    "tests/models/test_stack.py",                           # 24 s
-    "tests/kernels/test_mosaic_compile.py",                 # ~30 s: XLA:TPU compiles of every kernel
-    "tests/parity/test_parity_float64.py",                  # 28 s
-    "tests/models/test_remat.py",                           # 21 s
-    "tests/export/test_export.py",                          # ~20 s
-    "tests/train/test_batch_sharding.py",                   # ~20 s
+    "tests/kernels/test_kda_pallas.py",                     # 37 s: Pallas in interpret mode
+    "tests/kernels/test_kda.py",                            # 28 s
+    "tests/parity/test_parity_float64.py",                  # 27 s
+    "tests/kernels/test_mosaic_compile.py",                 # 26 s: XLA:TPU compiles of every kernel
+    "tests/kernels/test_attention.py",                      # 22 s
+    "tests/models/test_stack.py",                           # 19 s
+    "tests/parallel/test_expert.py",                        # 17 s
+    "tests/models/test_moe.py",                             # 17 s
+    "tests/models/test_ling3.py",                           # 16 s
+    "tests/parallel/test_ring_splash.py",                   # 15 s
+    "tests/train/test_train_loop.py",                       # 15 s
+    "tests/train/test_train_overflow.py",                   # 14 s
 ]
 
 

@@ -4,8 +4,9 @@ libtpu reads LIBTPU_INIT_ARGS once, when the TPU backend initialises: set it bef
 (the launch scripts in slurm_or_tpu_launch/ do, unless the user already set it), and compare flag sets in
 fresh processes. The groups follow MaxText's library of commonly used flags
 (AI-Hypercomputer/maxtext:benchmarks/xla_flags_library.py: CF_FOR_ALL_GATHER, CF_FOR_ALL_REDUCE,
-DATA_PARALLEL_OVERLAP); experiments/tpu_flags/ compiles a small FSDP layer stack for 8 v5p chips under each
-and reads what the compiled schedule does with them.
+DATA_PARALLEL_OVERLAP), and the expert exchange's asynchronous ragged all-to-all is libtpu's own flag;
+experiments/tpu_flags/ compiles a small FSDP layer stack for 8 v5p chips under each and reads what the
+compiled schedule does with them, and the flagship's plans show each on the whole step (docs/planning.md).
 
     python -m lingpack.tpu_flags v5p            # prints the LIBTPU_INIT_ARGS value for v5p
 """

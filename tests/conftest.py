@@ -122,6 +122,9 @@ HEAVY_DUPLICATES = {
     "tests/train/test_batch_sharding.py::test_rows_stay_split[fsdp_tensor]":
         "rows split over a batch axis with no batch collective: the [data] case; the fsdp x tensor train step "
         "against one device: tests/train/test_train_sharding.py",
+    "tests/parallel/test_ring_splash.py::test_splash_ring_matches_per_document_oracle[contiguous]":
+        "the splash ring against the per-document oracle: the [zigzag] case (same file); the contiguous layout "
+        "against the oracle: tests/parallel/test_ring.py::test_ring_matches_per_document_oracle[contiguous]",
     "tests/models/test_parity_kimi.py::test_lingpack_to_hf_logits":
         "test_hf_to_lingpack_logits (logits, and every tensor and key back to transformers' names exactly) and "
         "test_scanned_model_converts_both_ways",

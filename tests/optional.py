@@ -16,19 +16,20 @@ import importlib.util
 import pytest
 
 
-def require(module: str):
+def _skip_unless_installed(module: str) -> None:
     top = module.partition(".")[0]
     if importlib.util.find_spec(top) is None:
         pytest.skip(f"{top} is not installed: the oracles come with the parity extra (pip install -e '.[parity]')",
                     allow_module_level=True)
+
+
+def require(module: str):
+    _skip_unless_installed(module)
     return importlib.import_module(module)
 
 
 def installed(module: str, name: str | None = None) -> "lazy":
-    top = module.partition(".")[0]
-    if importlib.util.find_spec(top) is None:
-        pytest.skip(f"{top} is not installed: the oracles come with the parity extra (pip install -e '.[parity]')",
-                    allow_module_level=True)
+    _skip_unless_installed(module)
     return lazy(module, name)
 
 

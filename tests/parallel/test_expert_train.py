@@ -111,4 +111,5 @@ def test_save_moe_exchange_runs_each_exchange_once_as_without_remat():
         program = TrainProgram.build(dataclasses.replace(MODEL, **model), LOSS, OPTIM, ParallelConfig(data=2, expert=4),
                                      TrainConfig(), rows=ROWS, seq_length=T, devices=jax.devices()[:8], donate=False)
         return program.lower().as_text().count("all_to_all")
-    assert exchanges(remat=True, remat_policy="save_moe_exchange") == exchanges(remat=False)
+    plain = exchanges(remat=False)
+    assert plain > 0 and exchanges(remat=True, remat_policy="save_moe_exchange") == plain

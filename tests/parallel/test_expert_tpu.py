@@ -6,6 +6,8 @@
   an all-to-all, no ragged one) and for 8 v5p chips with the ragged one, whose rows travel in units of 16 in
   the kernels' tiled layout (no relayout copy); the ragged exchange forced onto the v5e slice is refused by
   XLA:TPU (the fact the choice rests on: if a libtpu lifts it, this test says so).
+- A rematerialised layer scan of dispatches allocates its exchange buffers in each layer: no copy of them
+  (a bare `lax.empty`, hoisted out of the scan, is copied in every layer).
   Slow: the same for one whole MoE layer; single rows in (2, 128) tiles with copies around the exchange, and
   v5e refusing ragged_dot's weight gradient on unit-shaped buffers (why ragged_dot's rows travel one by one).
 """
@@ -160,3 +162,43 @@ def test_v5e_compiles_the_dense_exchange_and_refuses_the_ragged_one():
 def test_v5p_compiles_the_ragged_exchange():
     text = _compile(CFG, ParallelConfig(data=1, expert=8), _devices("v5p:2x2x2"))
     assert "ragged-all-to-all" in text
+
+
+def _compile_layers(devices, layers: int = 3) -> str:
+    """Compiled HLO of a rematerialised scan of `layers` dispatches (forward + backward, EP=8, as the model's
+    layer stack runs them): each layer's own exchange buffers."""
+    mesh = Mesh(np.array(devices).reshape(-1, 8), ("data", "ep"))
+    rows, E, width = 64 * 2, 8, 128
+
+    def one(x, w, sizes):
+        y, _ = expert.dispatch(x, sizes, lambda w, x, s: jax.lax.ragged_dot(x, w, s), w, axis_name="ep", top_k=2,
+                               unit=expert.UNIT, exchange="ragged")
+        return y
+
+    def loss(x, w_LEDF, sizes):
+        def local(x, w_LEDF, sizes):
+            body = jax.checkpoint(lambda x, w: (x + one(x, w, sizes[0]), None),
+                                  policy=jax.checkpoint_policies.nothing_saveable)
+            return jnp.sum(jax.lax.scan(body, x, w_LEDF)[0].astype(jnp.float32))[None]
+        return jnp.sum(jax.shard_map(local, mesh=mesh, in_specs=(P(("data", "ep")), P(None, "ep"), P(("data", "ep"))),
+                                     out_specs=P(("data", "ep")), check_vma=False)(x, w_LEDF, sizes))
+
+    spec = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))
+    n = len(devices)
+    with backend.target("tpu"), jax.default_matmul_precision("default"):
+        return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+            spec((n * rows, width), jnp.bfloat16, P(("data", "ep"))),
+            spec((layers, E, width, width), jnp.bfloat16, P(None, "ep")),
+            spec((n, E), jnp.int32, P(("data", "ep")))).compile().as_text()
+
+
+@pytest.mark.parametrize("scratch", ["per_layer", "lax_empty"])
+def test_v5p_layer_scan_allocates_each_exchange_buffer_in_its_layer(scratch, monkeypatch):
+    """The exchanges write into buffers allocated in their own layer: no copy of an exchange buffer. The fact
+    it rests on: `lax.empty`, which depends on nothing, is hoisted out of the layer scan, and XLA:TPU copies the
+    one hoisted buffer in every layer before the exchange writes into it (if that changes, this says so)."""
+    if scratch == "lax_empty":
+        monkeypatch.setattr(expert, "_scratch", lambda shape, dtype, after: jax.lax.empty(shape, dtype))
+    _, copies = _exchanged(_compile_layers(_devices("v5p:2x2x2")))
+    units = [c for c in copies if re.match(r"bf16\[\d+,16,128\]", c)]
+    assert (not units) if scratch == "per_layer" else units, copies

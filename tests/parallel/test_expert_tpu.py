@@ -6,10 +6,10 @@
   an all-to-all, no ragged one) and for 8 v5p chips with the ragged one, whose rows travel in units of 16 in
   the kernels' tiled layout (no relayout copy); the ragged exchange forced onto the v5e slice is refused by
   XLA:TPU (the fact the choice rests on: if a libtpu lifts it, this test says so).
-- A rematerialised layer scan of dispatches allocates its exchange buffers in each layer: no copy of them
-  (a bare `lax.empty`, hoisted out of the scan, is copied in every layer).
   Slow: the same for one whole MoE layer; single rows in (2, 128) tiles with copies around the exchange, and
   v5e refusing ragged_dot's weight gradient on unit-shaped buffers (why ragged_dot's rows travel one by one).
+- A rematerialised layer scan of dispatches allocates its exchange buffers in each layer: no copy of them
+  (a bare `lax.empty`, hoisted out of the scan, is copied in every layer).
 """
 
 from __future__ import annotations

@@ -195,6 +195,11 @@ def _skewed_rounds(cfg, tokens_per_device: int, R: int, exchange: str, unit: int
     return -(-stream // window)
 
 
+def _nan_scratch(shape, dtype, after):
+    """`expert._scratch` with NaN where TPU's leaves whatever memory held (CPU's are zeros)."""
+    return jnp.full(shape, jnp.nan, dtype)
+
+
 @pytest.mark.parametrize("exchange", ["ragged", "dense"])
 @pytest.mark.parametrize("skew, unit", [(None, expert.UNIT), (5, expert.UNIT), (5, 2)],
                          ids=["balanced", "skewed", "skewed-unit2"])
@@ -204,7 +209,7 @@ def test_capacity_buffers_equal_one_device(exchange, skew, unit, monkeypatch):
     rows they overflow: 16 rows are one unit of 16, whose padding bound leaves these 16 tokens a device
     room). The exchange buffers start as NaN, where TPU's `lax.empty` leaves whatever memory held (CPU's is
     zeros): no row that was not received or written reaches an output or a gradient."""
-    monkeypatch.setattr(expert, "_scratch", lambda shape, dtype, after: jnp.full(shape, jnp.nan, dtype))
+    monkeypatch.setattr(expert, "_scratch", _nan_scratch)
     monkeypatch.setattr(expert, "UNIT", unit)
     cfg = dataclasses.replace(CFG, expert_parallel_exchange=exchange, expert_parallel_capacity=1.25)
     got, _, _ = _layer_grads(cfg, ParallelConfig(data=1, expert=8), padding=0, skew=skew)
@@ -238,7 +243,7 @@ def test_megablox_takes_the_receive_buffers_unmasked(skew, monkeypatch):
     """With Megablox (interpret mode here) the receive buffers' free rows reach the experts unmasked, NaN
     standing in for uninitialised memory, yet outputs and gradients equal one device (tiled) exactly as
     the masked path does: gmm keeps rows apart, tgmm selects the group rows."""
-    monkeypatch.setattr(expert, "_scratch", lambda shape, dtype, after: jnp.full(shape, jnp.nan, dtype))
+    monkeypatch.setattr(expert, "_scratch", _nan_scratch)
     cfg = dataclasses.replace(CFG, grouped_matmul="megablox")
     got, fn, args = _layer_grads(cfg, ParallelConfig(data=1, expert=8), padding=0, skew=skew)
     exchange = backend.expert_exchange(jax.devices()[:8])   # CPU: the dense one

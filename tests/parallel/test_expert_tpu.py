@@ -81,22 +81,31 @@ def test_exchange_follows_the_chip():
     assert backend.expert_exchange(jax.devices()) == "dense"   # CPU: no ragged all-to-all
 
 
-def _compile_dispatch(devices, exchange: str, unit: int = expert.UNIT) -> str:
+def _compile_dispatch(devices, exchange: str, unit: int = expert.UNIT, layers: int = 0) -> str:
     """Compiled HLO of `expert.dispatch`'s forward + backward over all `devices` as the EP group (XLA:TPU),
     data x 8 (data over the rest): 64 tokens per device, top-2 of 8 experts, one per device, rows in units of
-    `unit`."""
+    `unit`. `layers` > 0: a rematerialised scan of that many dispatches, each with its own weights, as the
+    model's layer stack runs them."""
     mesh = Mesh(np.array(devices).reshape(-1, 8), ("data", "ep"))
     rows, E, width = 64 * 2, 8, 128
+    w_spec, w_shape = (P(None, "ep"), (layers, E, width, width)) if layers else (P("ep"), (E, width, width))
 
     def experts(w, x, sizes):
         return jax.lax.ragged_dot(x, w, sizes)
 
+    def one(x, w, sizes):
+        return expert.dispatch(x, sizes, experts, w, axis_name="ep", top_k=2, unit=unit, exchange=exchange)
+
     def loss(x, w, sizes):
         def local(x, w, sizes):
-            y, rounds = expert.dispatch(x, sizes[0], experts, w, axis_name="ep", top_k=2, unit=unit,
-                                        exchange=exchange)
+            if layers:
+                body = jax.checkpoint(lambda x, w_l: (x + one(x, w_l, sizes[0])[0], None),
+                                      policy=jax.checkpoint_policies.nothing_saveable)
+                y, rounds = jax.lax.scan(body, x, w)[0], 0
+            else:
+                y, rounds = one(x, w, sizes[0])
             return jnp.sum(y.astype(jnp.float32))[None] + rounds
-        per_device = jax.shard_map(local, mesh=mesh, in_specs=(P(("data", "ep")), P("ep"), P(("data", "ep"))),
+        per_device = jax.shard_map(local, mesh=mesh, in_specs=(P(("data", "ep")), w_spec, P(("data", "ep"))),
                                    out_specs=P(("data", "ep")), check_vma=False)(x, w, sizes)
         return jnp.sum(per_device)
 
@@ -104,7 +113,8 @@ def _compile_dispatch(devices, exchange: str, unit: int = expert.UNIT) -> str:
     n = len(devices)
     with backend.target("tpu"), jax.default_matmul_precision("default"):   # as in _compile
         return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
-            spec((n * rows, width), jnp.bfloat16, P(("data", "ep"))), spec((E, width, width), jnp.bfloat16, P("ep")),
+            spec((n * rows, width), jnp.bfloat16, P(("data", "ep"))),
+            spec(w_shape, jnp.bfloat16, w_spec),
             spec((n, E), jnp.int32, P(("data", "ep")))).compile().as_text()
 
 
@@ -164,34 +174,6 @@ def test_v5p_compiles_the_ragged_exchange():
     assert "ragged-all-to-all" in text
 
 
-def _compile_layers(devices, layers: int = 3) -> str:
-    """Compiled HLO of a rematerialised scan of `layers` dispatches (forward + backward, EP=8, as the model's
-    layer stack runs them): each layer's own exchange buffers."""
-    mesh = Mesh(np.array(devices).reshape(-1, 8), ("data", "ep"))
-    rows, E, width = 64 * 2, 8, 128
-
-    def one(x, w, sizes):
-        y, _ = expert.dispatch(x, sizes, lambda w, x, s: jax.lax.ragged_dot(x, w, s), w, axis_name="ep", top_k=2,
-                               unit=expert.UNIT, exchange="ragged")
-        return y
-
-    def loss(x, w_LEDF, sizes):
-        def local(x, w_LEDF, sizes):
-            body = jax.checkpoint(lambda x, w: (x + one(x, w, sizes[0]), None),
-                                  policy=jax.checkpoint_policies.nothing_saveable)
-            return jnp.sum(jax.lax.scan(body, x, w_LEDF)[0].astype(jnp.float32))[None]
-        return jnp.sum(jax.shard_map(local, mesh=mesh, in_specs=(P(("data", "ep")), P(None, "ep"), P(("data", "ep"))),
-                                     out_specs=P(("data", "ep")), check_vma=False)(x, w_LEDF, sizes))
-
-    spec = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))
-    n = len(devices)
-    with backend.target("tpu"), jax.default_matmul_precision("default"):
-        return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
-            spec((n * rows, width), jnp.bfloat16, P(("data", "ep"))),
-            spec((layers, E, width, width), jnp.bfloat16, P(None, "ep")),
-            spec((n, E), jnp.int32, P(("data", "ep")))).compile().as_text()
-
-
 @pytest.mark.parametrize("scratch", ["per_layer", "lax_empty"])
 def test_v5p_layer_scan_allocates_each_exchange_buffer_in_its_layer(scratch, monkeypatch):
     """The exchanges write into buffers allocated in their own layer: no copy of an exchange buffer. The fact
@@ -199,6 +181,7 @@ def test_v5p_layer_scan_allocates_each_exchange_buffer_in_its_layer(scratch, mon
     one hoisted buffer in every layer before the exchange writes into it (if that changes, this says so)."""
     if scratch == "lax_empty":
         monkeypatch.setattr(expert, "_scratch", lambda shape, dtype, after: jax.lax.empty(shape, dtype))
-    _, copies = _exchanged(_compile_layers(_devices("v5p:2x2x2")))
+    moved, copies = _exchanged(_compile_dispatch(_devices("v5p:2x2x2"), "ragged", layers=3))
+    assert moved, "no ragged all-to-all compiled"
     units = [c for c in copies if re.match(r"bf16\[\d+,16,128\]", c)]
     assert (not units) if scratch == "per_layer" else units, copies

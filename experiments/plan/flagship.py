@@ -46,7 +46,11 @@ SEARCH = 4                      # meshes planned per scenario, the configured on
 VARIANTS = {"v5p/t8k/remat-policies": ("t8k", ["plan.remat_policies=[minimal,save_moe_proj,save_moe_exchange]"],
                                        {"LIBTPU_INIT_ARGS": " "}),   # libtpu's own defaults, not the launch flags
             # v6e under the launch flags: its 32 GB hold what save_moe_exchange keeps, v5e's 16 GB do not
-            "v6e/t8k/remat-policies": ("t8k", ["plan.remat_policies=[save_moe_exchange]"], None)}
+            "v6e/t8k/remat-policies": ("t8k", ["plan.remat_policies=[save_moe_exchange]"], None),
+            # v6e's exposed expert exchange: two token slices side by side (one's exchange under the other's
+            # experts), and the exchanged rows kept for the backward (no recomputed exchange)
+            "v6e/t8k/slices-2-save-exchange": ("t8k", ["model.moe.expert_parallel_slices=2",
+                                                       "model.remat_policy=save_moe_exchange"], None)}
 DEPTH_LAYERS = 9
 FLOPS_KEYS = ("v5p/t8k/configured", "v5p/t128k/configured")   # the plans whose compiled FLOPs are itemised
 
@@ -103,6 +107,12 @@ def _twin(key: str) -> dict | None:
     return plan_measure.assess(twin, chips.chip(chip))
 
 
+def _settings(key: str) -> str:
+    """A variant's model overrides, as the table's mesh cell shows them after the mesh."""
+    model = [o.split(".", 1)[1] for o in VARIANTS.get(key, (None, []))[1] if o.startswith("model.")]
+    return "".join(f", {o}" for o in model)
+
+
 def table(res: dict) -> str:
     """The docs block: every (chip, scenario, mesh) XLA:TPU planned, the XLA:CPU twin beside it as a comparison."""
     title = {"t8k": "T=8192, 64 rows", "t128k": "T=131072, 8 rows, CP ring"}
@@ -122,7 +132,7 @@ def table(res: dict) -> str:
         compare = (f"{gib(twin['per_device_bytes'])} GiB, {twin['est_step_s']:.1f} s" if twin else "-")
         wall = sum(r["breakdown"].get("compile_wall_s", [0]))
         flags = "launch scripts'" if r.get("libtpu_init_args") else "libtpu defaults"
-        lines.append(f"| {DEVICES} x {chip} | {title[scenario]} | {r['mesh']} | {flags} | {gib(r['per_device_bytes'])} | "
+        lines.append(f"| {DEVICES} x {chip} | {title[scenario]} | {r['mesh']}{_settings(key)} | {flags} | {gib(r['per_device_bytes'])} | "
                      f"{gib(r['hbm_bytes'])} | {'yes' if r['fits'] else 'no'} | {r['est_step_s'] * 1e3:.0f} ms | "
                      f"{r['mfu_at_est']:.1%} | {f['compiled'] / (f['analytic'] + f['remat']):.2f} | "
                      f"{wall / 60:.1f} min | {compare} |")

@@ -5,6 +5,8 @@
 - One MoE layer with its experts split over `expert` (and data / fsdp / tensor / context beside it) equals one
   device: outputs, load counts, z-loss and every gradient (fp32, rel 1e-5); the compiled program has
   all-to-alls, no all-gather of a whole [E, D, I] expert tensor and no all-reduce of an [N*k, D] buffer.
+- Tokens dispatched as two slices side by side (`moe.expert_parallel_slices`) equal one device, with twice
+  the exchanges.
 - Capacity-sized receive buffers (`moe.expert_parallel_capacity`): both exchanges (`ragged`, on CPU its
   stand-in, and `dense`) equal one device for balanced and skewed routing; the skewed one takes the overflow
   rounds the counts call for, and the two exchanges agree with each other; exchange buffers that start as
@@ -165,8 +167,17 @@ def test_expert4_x_data2_equals_one_device(one_device):
     assert to_all >= 4 and gathers == [] and reduces == [], (to_all, gathers, reduces)
 
 
+def test_two_slices_side_by_side_equal_one_device(one_device):
+    """`expert_parallel_slices=2`: two independent dispatches in one program, each with its own exchanges."""
+    cfg = dataclasses.replace(CFG, expert_parallel_slices=2)
+    got, fn, args = _layer_grads(cfg, ParallelConfig(data=2, expert=4))
+    _assert_equal(got, one_device)
+    one = _expert_collectives(*_layer_grads(CFG, ParallelConfig(data=2, expert=4), run=False)[1:], CFG)[0]
+    assert _expert_collectives(fn, args, cfg)[0] == 2 * one, one
+
+
 def test_rounds_must_divide_the_tokens():
-    with pytest.raises(ConfigError, match="expert_parallel_chunks=3 must divide the 16 tokens"):
+    with pytest.raises(ConfigError, match="expert_parallel_chunks=3 times moe.expert_parallel_slices=1 must divide the 16 tokens"):
         _layer_grads(dataclasses.replace(CFG, expert_parallel_chunks=3), ParallelConfig(data=2, expert=4))
 
 

@@ -60,6 +60,9 @@ class MoEConfig:
     # devices (parallel/expert.py); "gather" all-gathers every expert onto every device instead
     expert_parallel: str = "all_to_all"
     expert_parallel_chunks: int = 1       # all_to_all: the device's tokens dispatched in this many rounds
+    # all_to_all: each round's tokens dispatched as this many independent slices side by side, so that one
+    # slice's exchange can run while another's experts compute (docs/parallelism.md)
+    expert_parallel_slices: int = 1
     # all_to_all: receive buffers hold this many times the balanced load; rows past it go in further exchange
     # rounds, only when routing is that skewed (parallel/expert.py; nothing is dropped)
     expert_parallel_capacity: float = 1.25
@@ -89,6 +92,8 @@ class MoEConfig:
                              f"{self.expert_parallel_exchange!r}")
         if self.expert_parallel_chunks < 1:
             raise ValueError(f"moe.expert_parallel_chunks={self.expert_parallel_chunks} must be >= 1")
+        if self.expert_parallel_slices < 1:
+            raise ValueError(f"moe.expert_parallel_slices={self.expert_parallel_slices} must be >= 1")
         if self.topk_groups * (E // G) < self.top_k:
             raise ValueError(f"moe: the {self.topk_groups} kept groups hold {self.topk_groups * (E // G)} experts,"
                              f" fewer than top_k={self.top_k}; raise topk_groups")
@@ -350,10 +355,11 @@ class MoE(nnx.Module):
     def _dispatch(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep=(), exchange="ragged"):
         """(combined outputs [N, D], exchange rounds taken) from sorting assignments by expert, grouped matmuls
         (on the experts' devices over `ep` axes) and a weighted sum back; over `ep`, in
-        `expert_parallel_chunks` slices of the tokens."""
+        `expert_parallel_chunks` rounds of `expert_parallel_slices` slices of the tokens."""
         if ep:
             body = lambda x, i, w: self._dispatch_rows(x, i, w, wi_gate, wi_up, wo, ep, exchange)
-            return expert.in_rounds(body, self.cfg.expert_parallel_chunks, x_ND, idx_NK, weights_NK)
+            return expert.in_rounds(body, self.cfg.expert_parallel_chunks, x_ND, idx_NK, weights_NK,
+                                    slices=self.cfg.expert_parallel_slices)
         return self._dispatch_rows(x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep, exchange)
 
     def _dispatch_rows(self, x_ND, idx_NK, weights_NK, wi_gate, wi_up, wo, ep, exchange):

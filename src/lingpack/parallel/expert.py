@@ -344,21 +344,33 @@ def dispatch(x_MD: jax.Array, sizes_E: jax.Array, experts_fn, params, *, axis_na
     return y_MUF.reshape(M, -1), rounds.astype(jnp.int32)
 
 
-def in_rounds(fn, rounds: int, *token_arrays):
-    """`fn` over `rounds` consecutive slices of the token axis (axis 0), one after another (`lax.map`).
+def in_rounds(fn, rounds: int, *token_arrays, slices: int = 1):
+    """`fn` over `rounds` consecutive slices of the token axis (axis 0), one after another (`lax.map`), each
+    round's tokens split again into `slices` side by side.
 
     `fn` returns (rows [n, ...], a scalar): the rows come back in token order, the scalars' maximum beside
     them. The same rows travel as in one round, but every exchange buffer is 1 / rounds the size; each
     token's result is unchanged. Each round is rematerialised (`jax.checkpoint`): what stays live between
     the forward and the backward is the rounds' inputs, not their buffers.
+
+    Slices are independent dispatches in one program (unrolled, not a loop), so the compiler may run one
+    slice's exchange while another's experts compute; each slice's buffers are 1 / slices the size.
     """
     N = token_arrays[0].shape[0]
+    if N % (rounds * slices):
+        raise ConfigError(f"moe.expert_parallel_chunks={rounds} times moe.expert_parallel_slices={slices} must "
+                          f"divide the {N} tokens each device routes (rows x sequence length per device); pick divisors")
+
+    def sliced(*arrays):
+        if slices == 1:
+            return fn(*arrays)
+        n = arrays[0].shape[0] // slices
+        outs = [fn(*(a[i * n:(i + 1) * n] for a in arrays)) for i in range(slices)]
+        return jnp.concatenate([y for y, _ in outs]), jnp.max(jnp.stack([taken for _, taken in outs]))
+
     if rounds == 1:
-        return fn(*token_arrays)
-    if N % rounds:
-        raise ConfigError(f"moe.expert_parallel_chunks={rounds} must divide the {N} tokens each device routes "
-                          "(rows x sequence length per device); pick a divisor")
+        return sliced(*token_arrays)
     split = [a.reshape(rounds, N // rounds, *a.shape[1:]) for a in token_arrays]
-    one_round = jax.checkpoint(fn)
+    one_round = jax.checkpoint(sliced)
     y, taken = jax.lax.map(lambda args: one_round(*args), split)
     return y.reshape(N, *y.shape[2:]), jnp.max(taken)

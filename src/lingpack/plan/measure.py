@@ -92,8 +92,8 @@ def megablox_share(model_cfg, parallel, tokens_per_device: float, devices):
     """`lingpack.plan.cost` kernel shares, or None: Megablox's kernels on an expert-parallel receive buffer
     declare a CostEstimate over every row of it (2 m k n), but their grid visits only the row tiles of the rows
     routed there, sized at run time from the group sizes. A balanced step routes a device's M = tokens x top-k
-    (per `expert_parallel_chunks` round) rows, in units of `expert.UNIT` rows, into a buffer of
-    `parallel/expert.py` `buffer_rows`: the share is M, plus the expected padding (half a unit for each of the E
+    (per `expert_parallel_chunks` round and `expert_parallel_slices` slice) rows, in units of `expert.UNIT`
+    rows, into a buffer of `parallel/expert.py` `buffer_rows`: the share is M, plus the expected padding (half a unit for each of the E
     (sender, expert) slices a device receives), over those rows (0.79 for the flagship at a capacity of 1.25)."""
     if not _expert_parallel(model_cfg, parallel):
         return None
@@ -104,7 +104,8 @@ def megablox_share(model_cfg, parallel, tokens_per_device: float, devices):
     if exchange == "auto":
         with backend.target("tpu"):
             exchange = backend.expert_exchange(devices)
-    M, E, U = int(tokens_per_device) // moe.expert_parallel_chunks * moe.top_k, moe.num_experts, expert.UNIT
+    slices = moe.expert_parallel_chunks * moe.expert_parallel_slices
+    M, E, U = int(tokens_per_device) // slices * moe.top_k, moe.num_experts, expert.UNIT
     R = parallel.expert
     units = expert.buffer_rows(expert.padded_rows(M, E, U), R, E // R, moe.top_k, moe.expert_parallel_capacity,
                                exchange, U)[1]

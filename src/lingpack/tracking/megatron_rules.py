@@ -355,7 +355,7 @@ RULES: dict[str, Rule] = {
         "bias_update_rate", "z_loss_coef")},
     "model.moe.norm_topk_prob": unmapped(_topk_note),
     "model.moe.grouped_matmul": no_loss(_PERF), "model.moe.expert_parallel": no_loss(_PERF),
-    "model.moe.expert_parallel_chunks": no_loss(_PERF),
+    "model.moe.expert_parallel_chunks": no_loss(_PERF), "model.moe.expert_parallel_slices": no_loss(_PERF),
     "model.moe.expert_parallel_capacity": no_loss(_PERF), "model.moe.expert_parallel_exchange": no_loss(_PERF),
     "model.mtp.use_moe": unmapped(lambda rc: None if rc.model.mtp.use_moe or not rc.model.mtp_num_layers else
                                   "model.mtp.use_moe=false: Megatron-LM builds its MTP layer from the decoder's layer spec "

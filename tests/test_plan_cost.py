@@ -328,6 +328,10 @@ def test_megablox_on_a_receive_buffer_is_costed_by_the_rows_it_runs():
     # device receives, in a buffer of 1.25 x (65,536 + 128 x 15) rows rounded up to Megablox's 512-row tile
     assert share("transpose(jvp(jit(tgmm)))") == share("jit(gmm)") == pytest.approx((65536 + 128 * 7.5) / 84480)
     assert share("kda_segment_fwd") == 1.0
+    # two slices side by side: each routes 4096 tokens' rows into its own buffer of 1.25 x (32,768 + 128 x 15)
+    sliced = dataclasses.replace(rc.model, moe=dataclasses.replace(rc.model.moe, expert_parallel_slices=2))
+    share = measure.megablox_share(sliced, rc.parallel, 8192, devices)
+    assert share("jit(gmm)") == pytest.approx((32768 + 128 * 7.5) / 43520)
     assert measure.megablox_share(rc.model, dataclasses.replace(rc.parallel, expert=1, fsdp=64), 8192, devices) is None
     m, k, n, groups = 1024, 256, 256, jnp.array([300, 0, 500, 24], jnp.int32)
     with backend.target("tpu"), jax.default_matmul_precision("default"):

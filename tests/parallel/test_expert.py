@@ -177,7 +177,8 @@ def test_two_slices_side_by_side_equal_one_device(one_device):
 
 
 def test_rounds_must_divide_the_tokens():
-    with pytest.raises(ConfigError, match="expert_parallel_chunks=3 times moe.expert_parallel_slices=1 must divide the 16 tokens"):
+    with pytest.raises(ConfigError, match="expert_parallel_chunks=3 times moe.expert_parallel_slices=1 must divide "
+                                          "the 16 tokens"):
         _layer_grads(dataclasses.replace(CFG, expert_parallel_chunks=3), ParallelConfig(data=2, expert=4))
 
 

@@ -93,8 +93,9 @@ def megablox_share(model_cfg, parallel, tokens_per_device: float, devices):
     declare a CostEstimate over every row of it (2 m k n), but their grid visits only the row tiles of the rows
     routed there, sized at run time from the group sizes. A balanced step routes a device's M = tokens x top-k
     (per `expert_parallel_chunks` round and `expert_parallel_slices` slice) rows, in units of `expert.UNIT`
-    rows, into a buffer of `parallel/expert.py` `buffer_rows`: the share is M, plus the expected padding (half a unit for each of the E
-    (sender, expert) slices a device receives), over those rows (0.79 for the flagship at a capacity of 1.25)."""
+    rows, into a buffer of `parallel/expert.py` `buffer_rows`: the share is M, plus the expected padding (half
+    a unit for each of the E (sender, expert) slices a device receives), over those rows (0.79 for the
+    flagship at a capacity of 1.25)."""
     if not _expert_parallel(model_cfg, parallel):
         return None
     from lingpack import backend

@@ -9,7 +9,8 @@ Scenarios (conf/model/ling3_flagship.yaml, kernel=pallas_segment, attention spla
 per chip (v5p: topology 4x4x4, v6e and v5e: 8x8; `lingpack.plan.chips.TOPOLOGIES`), keys "<chip>/<scenario>/<mesh>":
   t8k     T=8192, 64 rows (512K tokens a step); the configured mesh fsdp=8 x expert=8, then (`--search`) the
           planner's other candidates (`lingpack.plan.measure.candidate_meshes`)
-  t128k   T=131072, 8 rows (1M tokens a step), context parallelism (ring, zigzag); expert=8 x context=8
+  t128k   T=131072, 8 rows (1M tokens a step), context parallelism (ring, zigzag); expert=8 x context=8, MLA
+          keeping its attention's output for the backward (`model.remat_policy_mla=save_context`)
 Each plan is one `python -m lingpack.plan ... plan.chip=<chip> plan.output=...` process (its wall and CPU
 time recorded). results/flagship_xla_cpu.json holds the earlier plans of the XLA:CPU twin (64 fake CPU
 devices), kept as a labelled comparison: its times came from XLA:CPU's fusions, not the TPU program.
@@ -39,7 +40,9 @@ BASE = ["model=ling3_flagship", "kernel=pallas_segment", "parallel.data=1", "par
         "parallel.expert=1", "parallel.context=1"]
 SCENARIOS = {
     "t8k": BASE + ["data.seq_length=8192", "data.global_batch_size=64", "parallel.fsdp=8", "parallel.expert=8"],
-    "t128k": BASE + ["data.seq_length=131072", "data.global_batch_size=8", "parallel.expert=8", "parallel.context=8"],
+    # at 128K MLA keeps its attention's output and logsumexp: the backward does not rerun the ring (docs/planning.md)
+    "t128k": BASE + ["data.seq_length=131072", "data.global_batch_size=8", "parallel.expert=8", "parallel.context=8",
+                     "model.remat_policy_mla=save_context"],
 }
 SEARCH = 4                      # meshes planned per scenario, the configured one first
 # planned beside the configured ones: key -> (scenario, extra overrides, environment)
@@ -107,9 +110,10 @@ def _twin(key: str) -> dict | None:
     return plan_measure.assess(twin, chips.chip(chip))
 
 
-def _settings(key: str) -> str:
-    """A variant's model overrides, as the table's mesh cell shows them after the mesh."""
-    model = [o.split(".", 1)[1] for o in VARIANTS.get(key, (None, []))[1] if o.startswith("model.")]
+def _settings(r: dict) -> str:
+    """The model overrides a plan was made with (its scenario's and variant's, as recorded), as the table's mesh
+    cell shows them after the mesh."""
+    model = [o.split(".", 1)[1] for o in r.get("config", {}).get("overrides", []) if o.startswith("model.")]
     return "".join(f", {o}" for o in model)
 
 
@@ -132,7 +136,7 @@ def table(res: dict) -> str:
         compare = (f"{gib(twin['per_device_bytes'])} GiB, {twin['est_step_s']:.1f} s" if twin else "-")
         wall = sum(r["breakdown"].get("compile_wall_s", [0]))
         flags = "launch scripts'" if r.get("libtpu_init_args") else "libtpu defaults"
-        lines.append(f"| {DEVICES} x {chip} | {title[scenario]} | {r['mesh']}{_settings(key)} | {flags} | {gib(r['per_device_bytes'])} | "
+        lines.append(f"| {DEVICES} x {chip} | {title[scenario]} | {r['mesh']}{_settings(r)} | {flags} | {gib(r['per_device_bytes'])} | "
                      f"{gib(r['hbm_bytes'])} | {'yes' if r['fits'] else 'no'} | {r['est_step_s'] * 1e3:.0f} ms | "
                      f"{r['mfu_at_est']:.1%} | {f['compiled'] / (f['analytic'] + f['remat']):.2f} | "
                      f"{wall / 60:.1f} min | {compare} |")

@@ -26,7 +26,7 @@ from flax import nnx
 from lingpack.kernels.attention.api import attention, resolve
 from lingpack.models.layers import RMSNorm, apply_rope, dense
 from lingpack.parallel.context import context_attention, current
-from lingpack.models.remat import tag
+from lingpack.models.remat import name, tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +108,11 @@ class MLA(nnx.Module):
         cp = current()
         if cp is None:
             o_BTHV = attention(q_BTHQ, k_BTHQ, v_BTHV, segment_ids_BT=segment_ids_BT, impl=self.attention_impl,
-                               scale=cfg.qk_head_dim ** -0.5, block_size=self.attention_block)
+                               scale=cfg.qk_head_dim ** -0.5, block_size=self.attention_block,
+                               residual_name=name("context"))
         else:  # sequence sharded over `context`; segment_ids are never None in the model (ling3 fills them)
             o_BTHV = context_attention(q_BTHQ, k_BTHQ, v_BTHV, segment_ids_BT, cp=cp, scale=cfg.qk_head_dim ** -0.5,
-                                       block=self.attention_block,
+                                       block=self.attention_block, residual_name=name("context"),
                                        impl=resolve(self.attention_impl, jnp.result_type(q_BTHQ, v_BTHV)))
         o_BTHV = tag(o_BTHV, "context")
         return tag(self.o_proj(o_BTHV.reshape(B, T, H * dv)), "out_proj")

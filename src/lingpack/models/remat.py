@@ -12,7 +12,9 @@ Tags (per token, the matmul outputs of each part):
   kv_proj                            MLA's key/value up-projection (kv_b)
   gate_proj                          KDA's decay, beta and output-gate projections (low rank)
   out_proj                           the mixer's output projection (KDA / MLA o_proj)
-  context                            the KDA kernel's / attention's output, before the output projection
+  context                            the KDA kernel's / attention's output, before the output projection; flash
+                                     and splash give their VJP's kept output and logsumexp the same name (`name`):
+                                     keeping it skips the attention's forward in the backward pass
   mlpwi_0, mlpwi_1, mlpwo            the SwiGLU gate / up / down matmuls (routed experts, shared expert, dense MLP)
   expert_inputs, expert_outputs      the routed experts' rows as their grouped matmuls read them (under expert
                                      parallelism: as the exchange delivered them) and their outputs back at their
@@ -25,6 +27,7 @@ Policies (`POLICIES`; from most memory and least recompute to least memory):
   save_dot_except_mlp      the mixer's projections (q/k/v, latents, gates, out), no SwiGLU matmul
   save_moe_proj            the SwiGLU matmuls only (the MoE's grouped matmuls, the biggest of a MoE layer)
   save_moe_exchange        the routed experts' inputs and outputs: the expert-parallel exchanges run once
+  save_context             the mixer kernel's output (`context`): for MLA, the attention runs its forward once
   save_qkv_proj            the mixer's input projections (query/key/value, latents)
   save_out_proj            the mixer's output projection
   full                     nothing: everything recomputed from the layer's input (= nothing_saveable)
@@ -60,6 +63,7 @@ NAMED = {
     "save_dot_except_mlp": (_MIXER, ()),
     "save_moe_proj": (_MLP, ()),
     "save_moe_exchange": (_EXCHANGE, ()),
+    "save_context": (("context",), ()),
     "save_qkv_proj": (_MIXER_IN, ()),
     "save_out_proj": (("out_proj",), ()),
     "full": ((), ()),
@@ -79,18 +83,23 @@ _PART: contextvars.ContextVar = contextvars.ContextVar("lingpack_remat_part", de
 
 
 @contextlib.contextmanager
-def part(name: str):
-    """Tags made inside belong to layer part `name` (one of PARTS)."""
-    token = _PART.set(name)
+def part(part_name: str):
+    """Tags made inside belong to layer part `part_name` (one of PARTS)."""
+    token = _PART.set(part_name)
     try:
         yield
     finally:
         _PART.reset(token)
 
 
-def tag(x: jax.Array, name: str) -> jax.Array:
-    """`x`, named `<current part>/<name>` for the remat policies (an identity outside `jax.checkpoint`)."""
-    return checkpoint_name(x, f"{_PART.get()}/{name}")
+def name(tag_name: str) -> str:
+    """`<current part>/<tag_name>`: the name `tag` gives, for a kernel that names its own residuals."""
+    return f"{_PART.get()}/{tag_name}"
+
+
+def tag(x: jax.Array, tag_name: str) -> jax.Array:
+    """`x`, named `<current part>/<tag_name>` for the remat policies (an identity outside `jax.checkpoint`)."""
+    return checkpoint_name(x, name(tag_name))
 
 
 def check(policy: str, overrides: dict | None = None) -> None:

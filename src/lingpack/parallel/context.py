@@ -132,7 +132,7 @@ def attention_block(cp: ContextParallel, length: int, block: int) -> int:
 
 def context_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, *, cp: ContextParallel, scale: float,
                       block: int = 128, return_stats: bool = False, impl: str = "flash",
-                      interpret: bool | None = None):
+                      interpret: bool | None = None, residual_name: str | None = None):
     """Causal segment-masked attention of global [B, T, H, *] arrays whose T axis is in `cp`'s layout.
 
     The same mask as kernels/attention (`masks.allowed`) on the ORIGINAL token order. Output in q's dtype,
@@ -140,9 +140,10 @@ def context_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, *, cp: ContextPara
     ring / usp only; zeros otherwise). `impl`: the attention implementation the model resolved
     (kernels/attention/api.py `resolve`); "splash" runs the ring strategy's tiles in splash
     (ring_splash.py; `interpret` as for splash), every other case the XLA tiles of blockwise.py.
+    `residual_name`: the name the custom VJP's kept output and logsumexp carry (blockwise.name_residuals).
     """
     B, T, H, K = q_BTHK.shape
-    tiling = Tiling(float(scale), True, *(attention_block(cp, T, block),) * 2)
+    tiling = Tiling(float(scale), True, *(attention_block(cp, T, block),) * 2, residual_name)
     U, R = cp.degrees
     in_splash = impl == "splash" and cp.strategy == "ring"
     if in_splash and jnp.float64 in (q_BTHK.dtype, k_BTHK.dtype, v_BTHV.dtype):
@@ -156,7 +157,7 @@ def context_attention(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT, *, cp: ContextPara
         from lingpack.kernels.attention.splash import resolve_interpret
         from lingpack.parallel import ring_splash
         ring = ring_splash.SplashRing(cp.axis, cp.size, cp.load_balance, float(scale), tiling.block_q,
-                                      resolve_interpret(interpret))
+                                      resolve_interpret(interpret), residual_name)
     batch = dividing_axes(cp.mesh, cp.batch_axes, B)
     heads = dividing_axes(cp.mesh, cp.head_axes, H)
     x_spec, seg_spec = P(batch, cp.axis, heads, None), P(batch, cp.axis)

@@ -27,7 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lingpack.kernels.attention.blockwise import Tiling, backward_tiles, finalize, forward_tiles, init_softmax
+from lingpack.kernels.attention.blockwise import (Tiling, backward_tiles, finalize, forward_tiles, init_softmax,
+                                                  name_residuals)
 from lingpack.precision import at_least_fp32
 
 
@@ -79,6 +80,7 @@ def ring_attention(q_BHQK, k_BHSK, v_BHSV, q_seg, kv_seg, q_index, kv_index, rin
 
 def _ring_fwd(q, k, v, q_seg, kv_seg, q_index, kv_index, ring):
     o, lse, count = _ring_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, ring)
+    o, lse = name_residuals(ring.tiling.residual_name, o, lse)
     return (o, count), (q, k, v, q_seg, kv_seg, q_index, kv_index, o, lse)
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from lingpack.kernels.attention import splash
+from lingpack.kernels.attention.blockwise import name_residuals
 
 # the named scope of each step's lax.cond (early / late key block): the planner weights its branches by it
 STEP_SCOPE = "splash_ring_step"
@@ -41,6 +42,7 @@ class SplashRing(NamedTuple):
     scale: float
     block: int          # splash's tile; divides T_local / 2 (zigzag) or T_local
     interpret: bool
+    residual_name: str | None = None   # the forward's (o, lse) named for a remat policy (blockwise.name_residuals)
 
     def perm(self) -> list[tuple[int, int]]:
         return [(c, (c + 1) % self.size) for c in range(self.size)]
@@ -114,7 +116,7 @@ def splash_ring_attention(q_BHQK, k_BHSK, v_BHSV, seg_BQ, ring: SplashRing):
 
 def _ring_fwd(q, k, v, seg, ring):
     q = q * jnp.asarray(ring.scale, q.dtype)   # splash does not scale q
-    o, lse = _ring_forward(q, k, v, seg, ring)
+    o, lse = name_residuals(ring.residual_name, *_ring_forward(q, k, v, seg, ring))
     return o, (q, k, v, seg, o, lse)
 
 

@@ -24,6 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from lingpack.kernels.attention.api import NAMES_RESIDUALS, resolve
 from lingpack.plan import chips
 
 # Dense bf16 peak per chip of accelerators outside the planner's table (`lingpack.plan.chips`, which has the sources and
@@ -100,8 +101,10 @@ def forward_terms(cfg, seq_len: int) -> list[tuple[str, tuple, float, int]]:
 
     A term is not recomputed when one of its tags is kept: its own output's, or a later value that makes it
     unneeded (the routed down projection: `mlpwo`, or `expert_outputs`, the outputs after the return exchange).
-    No tags: never saved by a named policy (router, MTP input projection, the mixer kernels, whose custom VJPs
-    recompute their forward from their inputs), so always recomputed. Outputs no backward reads (the mixer's
+    No tags: never saved by a named policy (router, MTP input projection, the KDA kernel and the attention
+    implementations whose custom VJPs recompute their forward from their inputs), so always recomputed; the
+    attention's forward is skipped when `context` is kept and the implementation the platform being traced for
+    resolves to names its residuals (kernels/attention/api.py `NAMES_RESIDUALS`: flash, splash). Outputs no backward reads (the mixer's
     out_proj, the shared expert's and dense MLP's down projection: only added to the residual) are left out:
     the backward never recomputes them. FLOPs: 2 per multiply-add, as `flops_per_token`.
     """
@@ -115,11 +118,12 @@ def forward_terms(cfg, seq_len: int) -> list[tuple[str, tuple, float, int]]:
            ("gate_proj", 2 * 2 * (D * K + K * H * K) + 2 * D * H),                    # decay f_a/f_b, output gate g_a/g_b, beta
            (None, kda_flops_per_token(H, K, cfg.kda_chunk_size) / 3)]                 # the kernel's forward
     m = cfg.mla
+    attention_tag = "context" if resolve(cfg.attention_impl, cfg.dtype) in NAMES_RESIDUALS else None
     q = ([("qkv_proj", 2 * D * m.q_lora_rank), ("query_proj", 2 * m.q_lora_rank * m.num_heads * m.qk_head_dim)]
          if m.q_lora_rank else [("query_proj", 2 * D * m.num_heads * m.qk_head_dim)])
     mla = q + [("qkv_proj", 2 * D * (m.kv_lora_rank + m.qk_rope_head_dim)),
                ("kv_proj", 2 * m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)),
-               (None, 2 * 2 * m.num_heads * (m.qk_head_dim + m.v_head_dim) / 2 * seq_len / 2)]   # attention forward
+               (attention_tag, 2 * 2 * m.num_heads * (m.qk_head_dim + m.v_head_dim) / 2 * seq_len / 2)]   # attention forward
     e, S = cfg.moe, cfg.moe.num_shared_experts * cfg.moe.expert_dim
     moe = [(None, 2 * D * e.num_experts),                                              # router
            ("mlpwi_0", 2 * e.top_k * D * e.expert_dim + 2 * D * S), ("mlpwi_1", 2 * e.top_k * D * e.expert_dim + 2 * D * S),

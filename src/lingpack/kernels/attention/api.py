@@ -13,6 +13,8 @@ Implementations (`impl`):
                  inputs on every platform (the Pallas kernels compute in fp32)
 A Pallas kernel traced for the other accelerator is a ConfigError naming `auto`. `block_size` is the tile
 of flash and splash; pallas_triton picks its tiles from the head width (`pallas_triton.block_sizes`).
+`residual_name`: flash and splash (`NAMES_RESIDUALS`) name the output and logsumexp their VJP keeps, so that
+a remat policy keeping that name does not rerun the forward in the backward pass (models/remat.py, `context`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ IMPLS = ("dot_product", "flash", "splash", "pallas_triton")
 AUTO = {"tpu": "splash", "gpu": "pallas_triton", "cpu": "flash"}   # docs/kernels.md: why each
 CHOICES = ("auto",) + IMPLS
 FP32_KERNELS = ("splash", "pallas_triton")   # Pallas kernels with fp32 accumulators: no float64 inputs
+NAMES_RESIDUALS = ("flash", "splash")        # their VJP's kept (o, lse) carry `residual_name`
 
 
 def resolve(impl: str, dtype=None) -> str:
@@ -40,7 +43,8 @@ def resolve(impl: str, dtype=None) -> str:
 
 
 def attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT=None, impl: str = "dot_product", scale: float | None = None,
-              causal: bool = True, block_size: int = 128, interpret: bool | None = None):
+              causal: bool = True, block_size: int = 128, interpret: bool | None = None,
+              residual_name: str | None = None):
     impl = resolve(impl, jnp.result_type(q_BTHK, k_BTHK, v_BTHV))
     B, T, H, K = q_BTHK.shape
     if k_BTHK.shape != (B, T, H, K):
@@ -56,7 +60,7 @@ def attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT=None, impl: str = "dot_p
     if impl == "dot_product":
         return dot_product_attention(q_BTHK, k_BTHK, v_BTHV, **kw)
     if impl == "flash":
-        return flash_attention(q_BTHK, k_BTHK, v_BTHV, block_kv=block_size, **kw)
+        return flash_attention(q_BTHK, k_BTHK, v_BTHV, block_kv=block_size, residual_name=residual_name, **kw)
     if impl in FP32_KERNELS and jnp.float64 in (q_BTHK.dtype, k_BTHK.dtype, v_BTHV.dtype):
         raise ValueError(f"impl={impl!r} is a Pallas kernel computing in fp32: float64 inputs would be rounded; use "
                          "impl='dot_product', 'flash' or 'auto'")
@@ -64,4 +68,5 @@ def attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT=None, impl: str = "dot_p
         from lingpack.kernels.attention.pallas_triton import triton_flash_attention  # Pallas import only when used
         return triton_flash_attention(q_BTHK, k_BTHK, v_BTHV, interpret=interpret, **kw)
     from lingpack.kernels.attention.splash import splash_attention  # Pallas import only when used
-    return splash_attention(q_BTHK, k_BTHK, v_BTHV, block=block_size, interpret=interpret, **kw)
+    return splash_attention(q_BTHK, k_BTHK, v_BTHV, block=block_size, interpret=interpret,
+                            residual_name=residual_name, **kw)

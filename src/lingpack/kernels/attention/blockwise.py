@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from lingpack.kernels.attention.masks import MASK_VALUE, allowed
 from lingpack.precision import at_least_fp32
@@ -34,6 +35,7 @@ class Tiling(NamedTuple):
     causal: bool
     block_q: int
     block_kv: int
+    residual_name: str | None = None   # the forward's (o, lse) named for a remat policy: `name_residuals`
 
 
 class Softmax(NamedTuple):
@@ -49,6 +51,13 @@ def init_softmax(B: int, H: int, Q: int, V: int, dtype=jnp.float32) -> Softmax:
     # m starts at the finite MASK_VALUE (not -inf): exp(m_old - m_new) is then always finite.
     return Softmax(jnp.full((B, H, Q), MASK_VALUE, dtype), jnp.zeros((B, H, Q), dtype),
                    jnp.zeros((B, H, Q, V), dtype))
+
+
+def name_residuals(name: str | None, *arrays):
+    """The arrays (a softmax's output and logsumexp, as its VJP keeps them) named `name` for a remat policy
+    (models/remat.py `tag`'s `<part>/context`): a policy that keeps that name then skips this forward in the
+    backward pass. Unchanged when `name` is None."""
+    return arrays if name is None else tuple(checkpoint_name(a, name) for a in arrays)
 
 
 def finalize(state: Softmax) -> tuple[jax.Array, jax.Array]:
@@ -200,7 +209,8 @@ def _blockwise_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, tiling):
 
 
 def _blockwise_fwd(q, k, v, q_seg, kv_seg, q_index, kv_index, tiling):
-    o, lse = _blockwise_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, tiling)
+    o, lse = name_residuals(tiling.residual_name,
+                            *_blockwise_forward(q, k, v, q_seg, kv_seg, q_index, kv_index, tiling))
     return o, (q, k, v, q_seg, kv_seg, q_index, kv_index, o, lse)
 
 

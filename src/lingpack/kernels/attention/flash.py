@@ -33,7 +33,7 @@ def _pad(x, n: int, axis: int):
 
 
 def flash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,
-                    block_kv: int = 128):
+                    block_kv: int = 128, residual_name: str | None = None):
     T = q_BTHK.shape[1]
     block = _block(T, block_kv)
     pad = -T % block
@@ -42,7 +42,7 @@ def flash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, cau
     seg = _pad(segment_ids_BT.astype(jnp.int32), pad, 1)
     index = jnp.arange(T + pad)
     o = blockwise_attention(to_bhtk(q_BTHK), to_bhtk(k_BTHK), to_bhtk(v_BTHV), seg, seg, index, index,
-                            Tiling(float(scale), bool(causal), block, block))
+                            Tiling(float(scale), bool(causal), block, block, residual_name))
     return jnp.swapaxes(o[:, :, :T], 1, 2).astype(q_BTHK.dtype)
 
 

@@ -33,8 +33,9 @@ TILE = shard.Dims(rows=0, heads=2)   # q, k [B, T, H, K]; v, o [B, T, H, V]
 
 @functools.lru_cache(maxsize=32)
 def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: bool, kv_len: int | None = None,
-            residuals: bool = False):
-    """The kernel of a [seq_len, kv_len] mask (kv_len None: square); `residuals`: its forward also returns lse."""
+            residuals: bool = False, residual_name: str | None = None):
+    """The kernel of a [seq_len, kv_len] mask (kv_len None: square); `residuals`: its forward also returns lse;
+    `residual_name`: the name its VJP's kept output and logsumexp carry (blockwise.name_residuals)."""
     shape = (seq_len, kv_len or seq_len)
     base = splash_mask.CausalMask(shape) if causal else splash_mask.FullMask(shape)
     mask = splash_mask.MultiHeadMask([base] * num_heads)
@@ -43,7 +44,8 @@ def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: b
                                      block_kv_dq=block)
     with jax.ensure_compile_time_eval():  # mask metadata must be concrete: the kernel is cached across traces
         return splash_kernel.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
-                                             save_residuals=residuals, interpret=interpret)
+                                             save_residuals=residuals, interpret=interpret,
+                                             residual_checkpoint_name=residual_name)
 
 
 def tile_forward(q_HQK, k_HSK, v_HSV, q_seg_Q, kv_seg_S, *, causal: bool, block: int, interpret: bool):
@@ -106,7 +108,7 @@ def cost_estimates(B: int, H: int, T: int, K: int, V: int, *, block: int, causal
 
 
 def splash_local(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool, block: int,
-                 interpret: bool):
+                 interpret: bool, residual_name: str | None = None):
     """The kernel on the arrays it is given (one shard's rows and heads, or everything off a mesh)."""
     B, T, H, K = q_BTHK.shape
     t_pad = -(-T // block) * block
@@ -116,7 +118,7 @@ def splash_local(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal
     q = to_bhtk(q_BTHK * jnp.asarray(scale, q_BTHK.dtype))
     k, v = to_bhtk(k_BTHK), to_bhtk(v_BTHV)
     seg = jnp.pad(seg, [(0, 0), (0, pad)])
-    kernel = _kernel(H, t_pad, block, bool(causal), bool(interpret))
+    kernel = _kernel(H, t_pad, block, bool(causal), bool(interpret), residual_name=residual_name)
     run = lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=splash_kernel.SegmentIds(q=s1, kv=s1))
     o_BHTV = jax.vmap(run)(q, k, v, seg)
     o_BTHV = jnp.swapaxes(o_BHTV, 1, 2)[:, :T]
@@ -136,7 +138,8 @@ def resolve_interpret(interpret: bool | None) -> bool:
 
 
 def splash_attention(q_BTHK, k_BTHK, v_BTHV, *, segment_ids_BT, scale: float, causal: bool = True,
-                     block: int = 128, interpret: bool | None = None):
+                     block: int = 128, interpret: bool | None = None, residual_name: str | None = None):
     interpret = resolve_interpret(interpret)
     return splash_on_mesh(q_BTHK, k_BTHK, v_BTHV, segment_ids_BT=segment_ids_BT, scale=float(scale),
-                          causal=bool(causal), block=int(block), interpret=bool(interpret))
+                          causal=bool(causal), block=int(block), interpret=bool(interpret),
+                          residual_name=residual_name)

@@ -21,7 +21,9 @@ from lingpack.train.sharding import make_mesh
 
 B, T, H, K, V = 4, 1024, 4, 128, 128   # splash's Mosaic tiles: head dims of 128
 SEG = jnp.asarray(np.repeat([[1, 1, 2, 3]], B, 0).repeat(T // 4, 1), jnp.int32)   # three documents a row
-CASES = [("flash", None), ("splash", None), ("flash", "ring"), ("splash", "ring"), ("flash", "ulysses")]
+SLOW = pytest.mark.slow   # the splash ring (the flagship's long-context path) and local flash in the default suite
+CASES = [("flash", None), pytest.param("splash", None, marks=SLOW), ("splash", "ring"),
+         pytest.param("flash", "ring", marks=SLOW), pytest.param("flash", "ulysses", marks=SLOW)]
 
 
 def mixer(impl: str, strategy: str | None, tpu: bool = False):
@@ -77,7 +79,8 @@ def inputs(f=None):
     return tuple(jax.random.normal(key, (B, T, H, d), jnp.float32) for key, d in zip(keys, (K, K, V)))
 
 
-@pytest.mark.parametrize("impl,strategy", CASES, ids=[f"{i}-{s or 'local'}" for i, s in CASES])
+@pytest.mark.parametrize("impl,strategy", CASES, ids=["flash-local", "splash-local", "splash-ring", "flash-ring",
+                                                       "flash-ulysses"])
 def test_keeping_context_compiles_the_attention_forward_once(impl, strategy):
     """As many forward matmul FLOPs (XLA tiles) or splash forward kernel runs (XLA:TPU) as without remat. The
     XLA rings' and Ulysses' recomputed tiles XLA:CPU merges with the forward's (their `full` equals no remat)."""
@@ -89,7 +92,8 @@ def test_keeping_context_compiles_the_attention_forward_once(impl, strategy):
         assert kept < recomputed
 
 
-@pytest.mark.parametrize("impl,strategy", [("flash", None), ("splash", "ring")], ids=["flash-local", "splash-ring"])
+@pytest.mark.parametrize("impl,strategy", [("flash", None), pytest.param("splash", "ring", marks=SLOW)],
+                         ids=["flash-local", "splash-ring"])
 def test_keeping_context_gives_the_gradients_of_recomputing_it(impl, strategy):
     f, args = mixer(impl, strategy), inputs()
     want = jax.jit(grad_fn(f, "full"))(*args)[1]

@@ -1,13 +1,12 @@
 """Keeping `context` (models/remat.py) keeps the attention's VJP residuals too: flash, splash and both rings name
-their output and logsumexp (`blockwise.name_residuals`), so under a policy that keeps `mla/context` the backward
-traces the attention's forward once, as without remat, and the gradients are those of recomputing it."""
+their output and logsumexp (`blockwise.name_residuals`), so under a policy that keeps `mla/context` the compiled
+step runs the attention's forward once, as without remat, and the gradients are those of recomputing it."""
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lingpack import backend

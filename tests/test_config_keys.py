@@ -24,6 +24,7 @@ ALTERNATIVES = {
     "model.remat_policy": "dots_saveable", "model.kda.lower_bound": -2.0, "model.kda.gate_activation": "silu",
     "model.mla.rope_type": "none", "model.moe.num_experts": 6, "model.moe.top_k": 1, "model.moe.n_groups": 1,
     "kernel.name": "reference", "kernel.max_segs": 8, "kernel.chunk_size": 32, "kernel.interpret": False,
+    "kernel.short_conv": "pallas",
     "data.source": "synthetic", "data.paths": ["bundled:scene"], "data.split": "900,50,50",
     "data.cache_dir": "{run_dir}/data_cache", "data.index_mode": "mmap_npy", "data.num_samples": 1000,
     "data.packing": "whole_documents", "loss.mode": "per_token", "optim.decay_steps": 100,

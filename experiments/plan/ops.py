@@ -1,13 +1,15 @@
-"""The flagship MoE's data-movement ops alone, each formulation beside its peer, as XLA:TPU costs them for one v5p.
+"""The flagship's data-movement ops alone, each formulation beside its peer, as XLA:TPU costs them for one v5p.
 
     python -m experiments.plan.ops            # compiles every case -> results/ops.json
     python -m experiments.plan.ops --table    # the `plan_ops` results block from the json
 
 Each case is a jitted function of the flagship's shapes (N = 8,192 tokens a device, top-k = 8, D = 1,536,
-the sorted places of one dispatch P = 67,456; the receive buffer's 84,480 rows, F = 512) compiled by libtpu
+the sorted places of one dispatch P = 67,456; the receive buffer's 84,480 rows, F = 512; a KDA short convolution
+over T = 8,192 tokens of C = 2,048 channels, kernel 4) compiled by libtpu
 for one v5p chip (`v5p:2x2x1`, megacore) and costed by `lingpack.plan.cost` as the planner costs the whole
 step: per instruction, XLA:TPU's own cycle estimate, or the roofline of its FLOPs and bytes where it has none.
-"Peer" is the formulation the model had (or the one it keeps); "lingpack" is what `models/moe.py` runs.
+"Peer" is the formulation the model had (or the one it keeps); "lingpack" is what `models/moe.py` and
+`models/layers.py` run.
 Nothing runs: these are compile-time estimates, on the same footing as the planner's step.
 """
 
@@ -21,13 +23,14 @@ from experiments import xla_tpu
 
 OUT = Path(__file__).resolve().parent / "results"
 N, K, D, P_, R, F = 8192, 8, 1536, 67456, 84480, 512
+T, C, CONV = 8192, 2048, 4
 
 
 def _cases():
     import jax
     import jax.numpy as jnp
 
-    from lingpack.models import moe
+    from lingpack.models import layers, moe
     f32, bf = jnp.float32, jnp.bfloat16
 
     def _take_einsum(y_PD, to_M, from_P, w_NK):   # the top-k copies as [N, k, D], the einsum reduces the middle axis
@@ -68,7 +71,18 @@ def _cases():
         d_gate_up = jnp.concatenate([d * up * s * (1 + gate * (1 - s)), d * gate * s], axis=-1).astype(bf)
         return (gate * s * up).astype(bf), d_gate_up
 
+    conv_args = [((1, T, C), bf), ((CONV, C), bf), ((1, T), jnp.int32), ((1, T, C), bf)]
+
+    def conv_bwd(backward):   # the conv + SiLU's input and kernel cotangents, bf16 as the KDA layer runs it
+        def run(x, w, seg, d):
+            return jax.vjp(lambda x, w: layers.short_conv(x, w, seg, "silu", None, None, backward), x, w)[1](d)
+        return run
+
     return {
+        "KDA short conv + SiLU, backward": (conv_args, {
+            "peer": ("XLA's (the default): two fusions, XLA:TPU's cycle estimates", conv_bwd("xla")),
+            "lingpack": ("`kernel.short_conv=pallas`: one Mosaic pass, its declared bytes (vector work uncosted)",
+                         conv_bwd("pallas"))}),
         "MoE combine, forward": (combine_args, {
             "peer": ("[N, k, D] gather, einsum over k", _take_einsum),
             "lingpack": ("`combine_rows`: [k, N, D] slabs added one by one", moe.combine_rows)}),
@@ -95,7 +109,7 @@ def measure() -> dict:
     sharding = NamedSharding(Mesh(devices, ("x",)), P())
     chip = chips.chip("v5p")
     results = {"compiler": "xla_tpu", "chip": "v5p", "commit": commit(),
-               "shapes": dict(N=N, k=K, D=D, P=P_, rows=R, F=F), "cases": {}}
+               "shapes": dict(N=N, k=K, D=D, P=P_, rows=R, F=F, T=T, C=C), "cases": {}}
     for case, (shapes, variants) in _cases().items():
         results["cases"][case] = {}
         for role, (what, fn) in variants.items():
@@ -114,8 +128,9 @@ def measure() -> dict:
 def table(res: dict) -> str:
     s = res["shapes"]
     lines = [f"XLA:TPU (libtpu) compiles for one v5p chip at the flagship's shapes (N={s['N']}, k={s['k']}, "
-             f"D={s['D']}, P={s['P']} sorted places, {s['rows']} receive rows, F={s['F']}), costed per instruction "
-             f"as the planner costs the step (commit {res['commit']}).", "",
+             f"D={s['D']}, P={s['P']} sorted places, {s['rows']} receive rows, F={s['F']}; the short conv over "
+             f"T={s['T']} tokens of C={s['C']} channels), costed per instruction as the planner costs the step, a "
+             f"Mosaic kernel by the CostEstimate it declares (commit {res['commit']}).", "",
              "| op | formulation | est. (us) | roofline (us) | / peer |", "|---|---|---:|---:|---:|"]
     for case, variants in res["cases"].items():
         peer = variants["peer"]["est_us"]

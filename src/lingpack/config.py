@@ -18,6 +18,7 @@ from lingpack.distributed import DistributedConfig
 from lingpack.errors import ConfigError  # noqa: F401  (re-exported: callers catch it from here too)
 from lingpack.kernels.kda import api as kda_api
 from lingpack.kernels.kda import gate as kda_gate
+from lingpack.kernels.short_conv import BACKWARDS as SHORT_CONV_BACKWARDS
 from lingpack.models.ling3 import Ling3Config, config_from_dict
 from lingpack.train.configs import CheckpointConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from lingpack.train.schedule import ContextSchedule
@@ -35,10 +36,13 @@ class KernelConfig:
     max_segs: int | None = None      # cu_seqlens slots per micro-batch (aligned designs only)
     chunk_size: int = 64
     interpret: bool | None = None    # Pallas: None = interpret mode off TPU
+    short_conv: str = "xla"          # the short convs' backward: xla, or pallas (kernels/short_conv.py, TPU)
 
     def __post_init__(self):
         if self.name not in kda_api.names():   # the registry in kernels/kda/api.py
             raise ConfigError(f"kernel.name={self.name!r} is not one of {kda_api.names()}")
+        if self.short_conv not in SHORT_CONV_BACKWARDS:
+            raise ConfigError(f"kernel.short_conv={self.short_conv!r} is not one of {SHORT_CONV_BACKWARDS}")
         if self.max_segs is not None and self.max_segs < 1:
             raise ConfigError(f"kernel.max_segs={self.max_segs} must be >= 1: it is the number of documents a micro-batch"
                               " may hold (`python -m lingpack.data.stats` recommends one)")
@@ -308,7 +312,7 @@ def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tenso
     """The `model` group (+ the kernel) -> Ling3Config; `vocab_size: null` follows the data's vocabulary."""
     values = dict(values)
     for key, name in (("kda_impl", "name"), ("kda_chunk_size", "chunk_size"), ("kda_max_segs", "max_segs"),
-                      ("kda_interpret", "interpret")):
+                      ("kda_interpret", "interpret"), ("kda_short_conv", "short_conv")):
         if key in values:  # the kernel group sets them: a value here would be overwritten unread
             raise ConfigError(f"model.{key}={values[key]!r} is set by the kernel group: set kernel.{name} instead")
     divisor = values.pop("vocab_size_divisible_by", 128)
@@ -316,6 +320,7 @@ def model_config(values: dict, kernel: KernelConfig, data_vocab_size: int, tenso
         values["vocab_size"] = padded_vocab_size(data_vocab_size, divisor, max(tensor_parallel, 1))
     uses_max_segs = kda_api.needs_max_segs(kernel.name)  # other kernels ignore max_segs (no phantom segments)
     values.update(kda_impl=kernel.name, kda_chunk_size=kernel.chunk_size, kda_interpret=kernel.interpret,
+                  kda_short_conv=kernel.short_conv,
                   kda_max_segs=kernel.max_segs if uses_max_segs else None)
     try:
         return config_from_dict(values)

@@ -141,3 +141,17 @@ def splash_program(*, B: int, T: int, H: int, K: int, V: int, block: int):
     s = jax.ShapeDtypeStruct
     args = [s((B, T, H, K), jnp.bfloat16)] * 2 + [s((B, T, H, V), jnp.bfloat16), s((B, T), jnp.int32)]
     return jax.grad(loss, argnums=(0, 1, 2)), args
+
+
+def short_conv_program(*, B: int, T: int, C: int, K: int):
+    """(gradient function, its argument shapes) of the segment-masked short conv + SiLU (models/layers.py
+    `short_conv`) with the Pallas backward (kernels/short_conv.py) in Mosaic, bf16 as the KDA layer runs it."""
+    import jax
+    import jax.numpy as jnp
+
+    from lingpack.models.layers import short_conv
+
+    def loss(x, kernel, segment_ids):
+        return jnp.sum(short_conv(x, kernel, segment_ids, "silu", None, None, "pallas").astype(jnp.float32))
+    s = jax.ShapeDtypeStruct
+    return jax.grad(loss, argnums=(0, 1)), [s((B, T, C), jnp.bfloat16), s((K, C), jnp.bfloat16), s((B, T), jnp.int32)]

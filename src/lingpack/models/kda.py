@@ -52,6 +52,7 @@ class KDAKernel:
     chunk_size: int = 64
     max_segs: int | None = None
     interpret: bool | None = None   # Pallas only: None = interpret mode off TPU; False forces Mosaic (TPU export)
+    short_conv: str = "xla"         # the short convs' backward: xla, or pallas (kernels/short_conv.py; `interpret` too)
 
 
 class KDA(nnx.Module):
@@ -63,9 +64,10 @@ class KDA(nnx.Module):
         self.q_proj = dense(emb_dim, H * K, ("embed", "heads"), **kw)
         self.k_proj = dense(emb_dim, H * K, ("embed", "heads"), **kw)
         self.v_proj = dense(emb_dim, H * K, ("embed", "heads"), **kw)
-        self.q_conv = ShortConvolution(H * K, cfg.conv_size, **kw)
-        self.k_conv = ShortConvolution(H * K, cfg.conv_size, **kw)
-        self.v_conv = ShortConvolution(H * K, cfg.conv_size, **kw)
+        conv = dict(pallas_backward=kernel.short_conv == "pallas", interpret=kernel.interpret, **kw)
+        self.q_conv = ShortConvolution(H * K, cfg.conv_size, **conv)
+        self.k_conv = ShortConvolution(H * K, cfg.conv_size, **conv)
+        self.v_conv = ShortConvolution(H * K, cfg.conv_size, **conv)
         self.f_a_proj = dense(emb_dim, K, ("embed", "kv"), **kw)
         self.f_b_proj = dense(K, H * K, ("kv", "heads"), **kw)
         # Gate parameters are fp32 (float64 with float64 params) whatever param_dtype: the decay exp(g) compounds

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lingpack import backend
+from lingpack.kernels import short_conv as short_conv_kernel
 from lingpack.parallel.context import current
 from lingpack.parallel.halo import context_neighbours
 from lingpack.precision import at_least_fp32
@@ -156,13 +158,15 @@ def segment_causal_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: 
     return y.astype(x_BTC.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
+@partial(jax.custom_vjp, nondiff_argnums=(3, 6))
 def short_conv(x_BTC: jax.Array, kernel_KC: jax.Array, segment_ids_BT: jax.Array | None, activation: str | None,
-               prev_x_BWC: jax.Array | None = None, prev_ids_BW: jax.Array | None = None) -> jax.Array:
+               prev_x_BWC: jax.Array | None = None, prev_ids_BW: jax.Array | None = None,
+               backward: str = "xla") -> jax.Array:
     """`segment_causal_conv`, then SiLU if `activation == "silu"`, of x extended by `prev_x` (the W = K-1 tokens
     before the block and their ids, under context parallelism; None: the row starts here). Returns the block's
     own T tokens. Its VJP keeps only the inputs and recomputes the taps: autodiff would keep K-1 shifted, masked
-    copies of x and the SiLU's operands, or the extended block."""
+    copies of x and the SiLU's operands, or the extended block. `backward`: "xla" (below), or the Pallas TPU
+    kernel `kernels/short_conv.py` ("pallas": Mosaic; "pallas_interpret": interpret mode, for tests)."""
     x_ext, ids_ext = _extend(x_BTC, segment_ids_BT, prev_x_BWC, prev_ids_BW)
     y = segment_causal_conv(x_ext, kernel_KC, ids_ext)[:, x_ext.shape[1] - x_BTC.shape[1]:]
     return jax.nn.silu(y) if activation == "silu" else y
@@ -174,13 +178,19 @@ def _extend(x_BTC, segment_ids_BT, prev_x_BWC, prev_ids_BW):
     return jnp.concatenate([prev_x_BWC, x_BTC], 1), jnp.concatenate([prev_ids_BW, segment_ids_BT], 1)
 
 
-def _short_conv_fwd(x_BTC, kernel_KC, segment_ids_BT, activation, prev_x_BWC, prev_ids_BW):
-    out = short_conv(x_BTC, kernel_KC, segment_ids_BT, activation, prev_x_BWC, prev_ids_BW)
+def _short_conv_fwd(x_BTC, kernel_KC, segment_ids_BT, activation, prev_x_BWC, prev_ids_BW, backward):
+    out = short_conv(x_BTC, kernel_KC, segment_ids_BT, activation, prev_x_BWC, prev_ids_BW, backward)
     return out, (x_BTC, kernel_KC, segment_ids_BT, prev_x_BWC, prev_ids_BW)
 
 
-def _short_conv_bwd(activation, residuals, d_out_BTC):
+def _short_conv_bwd(activation, backward, residuals, d_out_BTC):
     x_BTC, kernel_KC, segment_ids_BT, prev_x_BWC, prev_ids_BW = residuals
+    if backward != "xla":
+        dx, d_kernel, d_prev = short_conv_kernel.short_conv_bwd(
+            x_BTC, kernel_KC, segment_ids_BT, d_out_BTC, prev_x_BWC, prev_ids_BW, silu=activation == "silu",
+            interpret=backward == "pallas_interpret")
+        d_prev = None if d_prev is None else d_prev.astype(prev_x_BWC.dtype)
+        return dx, d_kernel.astype(kernel_KC.dtype), None, d_prev, None
     # tied to the cotangent: XLA cannot schedule the recomputation below into the forward, where it would be live
     x_BTC, prev_x_BWC, kernel_KC, d_out_BTC = jax.lax.optimization_barrier((x_BTC, prev_x_BWC, kernel_KC, d_out_BTC))
     x_ext, ids_ext = _extend(x_BTC, segment_ids_BT, prev_x_BWC, prev_ids_BW)
@@ -205,25 +215,39 @@ short_conv.defvjp(_short_conv_fwd, _short_conv_bwd)
 
 
 class ShortConvolution(nnx.Module):
-    """Depthwise causal conv over time with a segment mask, optional SiLU (see `segment_causal_conv`)."""
+    """Depthwise causal conv over time with a segment mask, optional SiLU (see `segment_causal_conv`).
+
+    `pallas_backward`: the backward is the Pallas TPU kernel (`kernels/short_conv.py`), in Mosaic or interpret
+    mode as `interpret` and the platform say (`backend.pallas_interpret`), for shapes it takes (T a multiple of
+    8); XLA's otherwise."""
 
     def __init__(self, channels: int, kernel_size: int = 4, *, activation: str | None = "silu", dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 param_dtype=jnp.float32, pallas_backward: bool = False, interpret: bool | None = None,
+                 rngs: nnx.Rngs):
         if activation not in (None, "silu"):
             raise ValueError(f"short conv activation must be 'silu' or None; got {activation!r}")
         self.activation = activation
         self.dtype = dtype
+        self.pallas_backward, self.interpret = pallas_backward, interpret
         init = partitioned(_conv_init(kernel_size), ("conv", "heads"))
         self.kernel = nnx.Param(init(rngs.params(), (kernel_size, channels), param_dtype))
 
+    def _backward(self, T: int, C: int, K: int) -> str:
+        if not self.pallas_backward or not short_conv_kernel.supported(T, C, K):
+            return "xla"
+        interpret = backend.pallas_interpret(self.interpret, kernel="the Pallas short-conv backward (kernel.short_conv"
+                                             "=pallas)", alternative="kernel.short_conv=xla")
+        return "pallas_interpret" if interpret else "pallas"
+
     def __call__(self, x_BTC: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
         x, kernel = x_BTC.astype(self.dtype), self.kernel[...].astype(self.dtype)
+        conv = lambda a, s, prev_a, prev_s, w: short_conv(a, w, s, self.activation, prev_a, prev_s,
+                                                          self._backward(*a.shape[1:], w.shape[0]))
         cp = current()
         if cp is None:
-            return short_conv(x, kernel, segment_ids_BT, self.activation)
+            return conv(x, segment_ids_BT, None, None, kernel)
         # sequence split over `context`: the previous block's last K-1 tokens arrive as a halo
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones(x.shape[:2], jnp.int32)
-        return context_neighbours(lambda a, s, prev_a, prev_s, w: short_conv(a, w, s, self.activation, prev_a, prev_s),
-                                  x, segment_ids_BT, kernel, cp=cp, side="previous", width=kernel.shape[0] - 1,
+        return context_neighbours(conv, x, segment_ids_BT, kernel, cp=cp, side="previous", width=kernel.shape[0] - 1,
                                   apart=True)

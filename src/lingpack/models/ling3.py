@@ -41,6 +41,7 @@ from flax import nnx, struct
 from lingpack.kernels.attention.api import CHOICES as ATTENTION_CHOICES
 from lingpack.kernels.attention.api import FP32_KERNELS as ATTENTION_FP32_KERNELS
 from lingpack.kernels.kda import api as kda_api
+from lingpack.kernels.short_conv import BACKWARDS as SHORT_CONV_BACKWARDS
 from lingpack.models.block import DecoderLayer, LayerSpec, parts
 from lingpack.models.head import LMHead, head_matmul  # noqa: F401  (head_matmul re-exported)
 from lingpack.models.kda import KDAConfig, KDAKernel
@@ -102,6 +103,7 @@ class Ling3Config:
     kda_chunk_size: int = 64
     kda_max_segs: int | None = None
     kda_interpret: bool | None = None  # Pallas KDA kernels: None = interpret mode off TPU
+    kda_short_conv: str = "xla"        # the short convs' backward: xla, or pallas (kernels/short_conv.py)
     attention_impl: str = "dot_product"
     attention_block_size: int = 128
     remat: bool = False
@@ -135,6 +137,8 @@ class Ling3Config:
             raise ValueError(f"unknown attention_impl {self.attention_impl!r}; valid choices: {list(ATTENTION_CHOICES)}")
         if self.kda_impl not in kda_api.names():
             raise ValueError(f"unknown kda_impl {self.kda_impl!r}; valid choices: {list(kda_api.names())}")
+        if self.kda_short_conv not in SHORT_CONV_BACKWARDS:
+            raise ValueError(f"kda_short_conv must be one of {SHORT_CONV_BACKWARDS}; got {self.kda_short_conv!r}")
         if kda_api.needs_max_segs(self.kda_impl) and not self.kda_max_segs:
             raise ValueError(f"kda_impl={self.kda_impl!r} needs kda_max_segs (the most documents per batch); set it")
         remat_lib.check(self.remat_policy, self.remat_overrides())
@@ -143,6 +147,9 @@ class Ling3Config:
             if self.kda_impl.startswith("pallas"):
                 raise ValueError(f"kda_impl={self.kda_impl!r} is a TPU kernel computing in fp32 (TPUs have no "
                                  "float64); a float64 model needs kernel=chunked or kernel=reference")
+            if self.kda_short_conv == "pallas":
+                raise ValueError("kda_short_conv='pallas' is a TPU kernel computing in fp32; a float64 model needs "
+                                 "kernel.short_conv=xla")
             if self.attention_impl in ATTENTION_FP32_KERNELS:
                 raise ValueError(f"attention_impl={self.attention_impl!r} is a Pallas kernel computing in fp32; a "
                                  "float64 model needs model.attention_impl=dot_product, flash or auto")
@@ -171,7 +178,8 @@ class Ling3Config:
         return range(start, self.num_layers) if scan else range(0)
 
     def layer_spec(self, mixer: str, ffn: str) -> LayerSpec:
-        kernel = KDAKernel(self.kda_impl, self.kda_chunk_size, self.kda_max_segs, self.kda_interpret)
+        kernel = KDAKernel(self.kda_impl, self.kda_chunk_size, self.kda_max_segs, self.kda_interpret,
+                           self.kda_short_conv)
         return LayerSpec(mixer, ffn, self.emb_dim, self.mlp_dim, self.norm_eps, self.kda, kernel, self.mla,
                          self.attention_impl, self.attention_block_size, self.moe)
 

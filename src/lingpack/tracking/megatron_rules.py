@@ -321,7 +321,7 @@ RULES: dict[str, Rule] = {
     "train.profile_dir": no_loss(_RUNTIME), "train.overflow_policy": part_of("kernel.name"),
     # KDA kernel
     "kernel.name": unmapped(_overflow_note), "kernel.max_segs": part_of("kernel.name"),
-    "kernel.chunk_size": no_loss(_PERF), "kernel.interpret": no_loss(_PERF),
+    "kernel.chunk_size": no_loss(_PERF), "kernel.interpret": no_loss(_PERF), "kernel.short_conv": no_loss(_PERF),
     # model
     "model.vocab_size": part_of("data.eod_id"),
     "model.emb_dim": maps(lambda rc: [("--hidden-size", rc.model.emb_dim)]),
@@ -335,9 +335,9 @@ RULES: dict[str, Rule] = {
     "model.tie_embeddings": maps(lambda rc: _when(not rc.model.tie_embeddings,
                                                   ("--untie-embeddings-and-output-weights", None))),
     **{f"model.{k}": no_loss(_PERF) for k in
-       ("kda_impl", "kda_chunk_size", "kda_max_segs", "kda_interpret", "attention_impl", "attention_block_size",
-        "remat", "remat_policy", "remat_policy_kda", "remat_policy_mla", "remat_policy_moe", "scan_layers",
-        "vocab_chunk_size", "fused_head_rows")},
+       ("kda_impl", "kda_chunk_size", "kda_max_segs", "kda_interpret", "kda_short_conv", "attention_impl",
+        "attention_block_size", "remat", "remat_policy", "remat_policy_kda", "remat_policy_mla", "remat_policy_moe",
+        "scan_layers", "vocab_chunk_size", "fused_head_rows")},
     "model.kda.num_heads": maps(_kda_flags, _kda_note), "model.kda.head_dim": part_of("model.kda.num_heads"),
     "model.kda.conv_size": part_of("model.kda.num_heads"),
     "model.kda.lower_bound": part_of("model.kda.num_heads"),

@@ -42,7 +42,8 @@ HEAVY_DUPLICATES = {
         "remat against none: tests/models/test_ling3.py::test_remat_gives_identical_gradients (the default "
         "policy); what each named policy saves and recomputes: test_saving_policies_recompute_fewer_dots_as_remat_flops_counts",
     "tests/parallel/test_expert.py::test_capacity_buffers_equal_one_device[balanced-ragged]":
-        "the ragged exchange against one device: the skewed-ragged case (round 0 and the overflow rounds)",
+        "the ragged exchange against one device: the skewed-ragged case (round 0) and the skewed-unit2-ragged "
+        "case (the overflow rounds: at the default unit the skewed cases take one round)",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-False]":
         "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_segment-True]":
@@ -54,7 +55,8 @@ HEAVY_DUPLICATES = {
     "tests/kernels/test_kda_pallas.py::test_lowers_to_mosaic_for_tpu_at_production_shape[pallas_varlen-True]":
         "lowering to Mosaic calls: tests/kernels/test_mosaic_compile.py compiles the same kernels with Mosaic",
     "tests/parallel/test_expert.py::test_capacity_buffers_equal_one_device[balanced-dense]":
-        "the dense exchange against one device: the skewed-dense case (its overflow rounds included)",
+        "the dense exchange against one device: the skewed-dense case (round 0) and the skewed-unit2-dense case "
+        "(the overflow rounds: at the default unit the skewed cases take one round)",
     "tests/train/test_flagship_export.py::test_flagship_step_exports_for_tpu_on_fsdp_tensor_expert":
         "the flagship step for TPU: tests/train/test_flagship_tpu_compile.py (compiled by XLA:TPU); every kernel "
         "inside it by Mosaic at flagship dims: tests/kernels/test_mosaic_compile.py",
@@ -128,6 +130,61 @@ HEAVY_DUPLICATES = {
     "tests/models/test_parity_kimi.py::test_lingpack_to_hf_logits":
         "test_hf_to_lingpack_logits (logits, and every tensor and key back to transformers' names exactly) and "
         "test_scanned_model_converts_both_ways",
+    "tests/parallel/test_ring_splash.py::test_splash_ring_compiles_to_splash_kernels_and_permutes":
+        "the splash ring against the per-document oracle: the [zigzag] case (same file); splash by Mosaic and "
+        "lowered for TPU at MLA's dims: tests/kernels/test_mosaic_compile.py::"
+        "test_splash_attention_compiles_with_mosaic_at_mla_dims[v5e], tests/kernels/test_attention.py::"
+        "test_splash_lowers_for_tpu_with_mla_head_dims; splash's tile FLOPs: "
+        "tests/kernels/test_pallas_cost_estimates.py::"
+        "test_splash_flops_per_tile_within_2_percent_of_xla_cost_analysis; "
+        "a ring's permutes without gathers: "
+        "tests/parallel/test_ring.py::test_ring_hlo_permutes_and_never_gathers_kv",
+    "tests/kernels/test_kda_pallas.py::test_gate_and_l2norm_fused_in_kernel[pallas_varlen-None-64]":
+        "the gate and L2 norm fused in a Pallas KDA kernel against the reference: the pallas_segment case (the "
+        "tiles' prologue both kernels share); the softplus gate's prologue and its backward: "
+        "test_prologue_backward_matches_autodiff[softplus]; pallas_varlen with the gate and L2 norm: "
+        "test_gate_and_l2norm_via_api_with_safe_gate",
+    "tests/distributed/test_distributed.py::test_run_py_unreachable_coordinator_exits_with_one_line":
+        "the unreachable coordinator's error: test_wait_for_coordinator_is_bounded_and_clear (same file); a "
+        "distributed start that fails as one line and status 1 in a subprocess: "
+        "test_coordinator_alone_exits_with_one_line_in_bounded_time; run.py's one-line exits: "
+        "tests/distributed/test_launch_scripts.py::test_slurm_launcher_off_cluster_is_one_line and "
+        "tests/runner/test_runner_smoke.py::test_too_few_devices_is_one_line_naming_the_key",
+    "tests/kernels/test_kda.py::test_bf16_within_fla_tolerances[chunked_aligned]":
+        "bf16 in the XLA chunked kernels: the chunked case (the intra-chunk and scan code chunked_aligned shares); "
+        "chunked_aligned against the oracle and the reference's gradients: "
+        "test_matches_fla_naive_per_document[chunked_aligned-*], test_gradients_match_reference_fp32[chunked_aligned]",
+    "tests/kernels/test_kda.py::test_packing_invariance[chunked_aligned]":
+        "each packed document against it run alone: the chunked and reference cases; chunked_aligned per document "
+        "against the oracle: test_matches_fla_naive_per_document[chunked_aligned-*]",
+    "tests/kernels/test_kda.py::test_other_documents_get_exactly_zero_gradient[False-chunked_aligned]":
+        "exactly zero gradient across documents: [True-chunked_aligned] (the same kernel, the safe gate's path) "
+        "and [False-chunked]",
+    "tests/kernels/test_kda.py::test_chunk_size_not_a_power_of_two_matches_fla[chunked_aligned-False]":
+        "a chunk size of 48 in chunked_aligned: [chunked_aligned-True]; without the safe gate: [chunked-False]",
+    "tests/kernels/test_kda_float64.py::test_float64_matches_fla_naive_in_float64[chunked_aligned]":
+        "float64 in the XLA chunked kernels: the chunked case (whose intra-chunk and scan code chunked_aligned "
+        "shares) and the reference; the chunked VJPs in float64: "
+        "test_float64_chunked_gradients_match_reference_autodiff",
+    "tests/kernels/test_kda_pallas_sharded.py::test_fwd_and_grad_export_for_tpu_on_data_x_tensor_mesh[pallas_varlen]":
+        "the Pallas KDA kernels exported for TPU inside the mesh wrapper: the pallas_segment case (the same "
+        "kernels/shard.py wrapper); pallas_varlen's kernels by Mosaic: tests/kernels/test_mosaic_compile.py::"
+        "test_kda_kernel_compiles_with_mosaic_at_flagship_dims[pallas_varlen-safe-v5e]",
+    "tests/parallel/test_expert_tpu.py::test_v5p_layer_scan_allocates_each_exchange_buffer_in_its_layer[lax_empty]":
+        "exchange buffers allocated in their layer, no copy: the [per_layer] case; the libtpu fact behind it (a "
+        "hoisted lax.empty copied in every layer), as this file's other libtpu facts: make test-all",
+    "tests/kernels/test_attention.py::test_matches_per_document_sdpa[splash-T40]":
+        "splash against per-document SDPA: the T150 case (several tiles, a 3-token document, padding), as for "
+        "pallas_triton; splash's padding rows and document isolation: test_padding_rows_are_zero_and_finite[splash], "
+        "test_gradients_never_cross_documents[splash]",
+    "tests/kernels/test_attention.py::test_matches_per_document_sdpa[splash-T64]":
+        "splash against per-document SDPA: the T150 case (several tiles, a 3-token document, padding), as for "
+        "pallas_triton; splash's padding rows and document isolation: test_padding_rows_are_zero_and_finite[splash], "
+        "test_gradients_never_cross_documents[splash]",
+    "tests/parallel/test_cp_model.py::test_mla_layer_context_parallel_uses_permuted_rope_positions[ulysses]":
+        "MLA's permuted RoPE positions under context parallelism: the [ring] case; Ulysses against the "
+        "per-document oracle: tests/parallel/test_context_strategies.py::"
+        "test_strategy_matches_per_document_oracle[ulysses-zigzag]",
 }
 
 

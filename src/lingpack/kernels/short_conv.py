@@ -1,11 +1,12 @@
 """Pallas TPU kernel for the backward of the segment-masked short convolution (models/layers.py `short_conv`).
 
-The XLA backward (recompute the conv, SiLU', K shifted and masked copies of the cotangent, their products with x
-summed over tokens) is a chain of fusions over [B, T, C], several of them in fp32; XLA:TPU plans it at about ten
-times the HBM traffic the backward needs (docs/kernels.md, "The short convolution's backward"). This kernel is
-one pass: per block of `rows` tokens and `cols` channels it reads x, the output's cotangent and the 8 rows either
+XLA's backward (recompute the conv and SiLU' into an fp32 cotangent, then K shifted and masked copies of it and
+their products with x summed over tokens) is two fusions over [B, T, C] that XLA:TPU costs at 3.6x their HBM
+traffic, vector-bound by its own model (docs/kernels.md, "The short convolution's backward"). This kernel is one
+pass: per block of `rows` tokens and `cols` channels it reads x, the output's cotangent and the 8 rows either
 side of the block (the halo: taps reach K - 1 < 8 rows across the block's edges), and writes dx and the block's
-share of the kernel's gradient. Same math as `layers._short_conv_bwd`, in the same fp32 order per token.
+share of the kernel's gradient, the fp32 cotangent kept in VMEM. Same math as `layers._short_conv_bwd`, in the
+same fp32 order per token.
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ def _per_shard(x_BTC, kernel_KC, d_out_BTC, *, segment_ids_BT, prev_x_BWC, prev_
     halo_ids = pl.BlockSpec((None, None, HALO, 1), lambda b, i, c: (b, i, 0, 0))
     weights = pl.BlockSpec((K, cols), lambda b, i, c: (0, c))
     itemsize = x_BTC.dtype.itemsize
+    # per element: the conv's K taps, SiLU', dx's K taps, the kernel gradient's K products and sums (vector ops);
+    # bytes: x and the cotangent read, dx written, ids once per channel block, the halos and per-block partials
     cost = pl.CostEstimate(flops=(8 * K + 12) * B * T * C, transcendentals=B * T * C if silu else 0,
                            bytes_accessed=3 * B * T * C * itemsize + B * T * 4 * nC
                            + B * nT * HALO * C * (3 * itemsize + 2 * 4))

@@ -49,22 +49,33 @@ def conv(x, seg, kernel):
     return jax.nn.silu(segment_causal_conv(x, kernel, seg))
 
 
-def conv_apart(x, seg, prev_x, prev_seg, kernel):
+def conv_apart(x, seg, prev_x, prev_seg, kernel, backward="xla"):
     """The model's form: the short conv's own VJP, the previous tokens passed apart (their gradient goes home);
     the joined form (one extended block) is the MTP roll's, tested below."""
-    return short_conv(x, kernel, seg, "silu", prev_x, prev_seg)
+    return short_conv(x, kernel, seg, "silu", prev_x, prev_seg, backward)
 
 
 @pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "zigzag"])
 @pytest.mark.parametrize("rows", sorted(ROWS))
 def test_short_conv_halo_matches_one_device(mesh, rows, load_balance):
+    check_short_conv_halo(mesh, rows, load_balance, "xla")
+
+
+@pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "zigzag"])
+def test_pallas_short_conv_backward_under_context_parallel(mesh, load_balance):
+    """The Pallas backward (kernels/short_conv.py, interpret mode) inside the CP shard_map: the halo's gradient
+    goes home, each block's kernel-gradient partials are summed across blocks and rows."""
+    check_short_conv_halo(mesh, "mixed", load_balance, "pallas_interpret")
+
+
+def check_short_conv_halo(mesh, rows, load_balance, backward):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((B, T, C)).astype(np.float32)
     kernel = rng.standard_normal((WIDTH, C)).astype(np.float32)
     w = rng.standard_normal((B, T, C)).astype(np.float32)
     seg = segments_from_lengths(ROWS[rows], T)
-    cp = sharded(mesh, conv_apart, side="previous", width=WIDTH - 1, load_balance=load_balance, params=(kernel,),
-                 apart=True)
+    cp = sharded(mesh, functools.partial(conv_apart, backward=backward), side="previous", width=WIDTH - 1,
+                 load_balance=load_balance, params=(kernel,), apart=True)
     y = restore(jax.jit(cp)(layout(x, load_balance), layout(seg, load_balance), kernel), load_balance)
     np.testing.assert_allclose(y, conv(x, seg, kernel), rtol=1e-6, atol=1e-6)
 

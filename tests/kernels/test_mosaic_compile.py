@@ -1,7 +1,8 @@
 """Every shipped Pallas TPU kernel compiled by Mosaic (libtpu, no TPU attached) for one chip of v5e, v5p
 (megacore) and v6e at the flagship's dimensions (conf/model/ling3_flagship.yaml: B=1, T=8192, bf16), forward
 and gradient: KDA `pallas_segment` and `pallas_varlen` with the softplus and the lower-bound (safe) gate,
-splash attention with segment ids at MLA's head dims.
+splash attention with segment ids at MLA's head dims (the short convolutions' backward kernel:
+tests/kernels/test_short_conv.py).
 
 A kernel whose blocks do not fit VMEM fails its compile (Mosaic's CompileTimeScopedVmemOom, which
 `test_a_kernel_over_its_vmem_limit_fails_the_compile` provokes); each compiled kernel's VMEM, as Mosaic

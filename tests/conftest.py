@@ -138,7 +138,8 @@ HEAVY_DUPLICATES = {
         "tests/kernels/test_pallas_cost_estimates.py::"
         "test_splash_flops_per_tile_within_2_percent_of_xla_cost_analysis; "
         "a ring's permutes without gathers: "
-        "tests/parallel/test_ring.py::test_ring_hlo_permutes_and_never_gathers_kv",
+        "tests/parallel/test_ring.py::test_ring_hlo_permutes_and_never_gathers_kv; "
+        "that no ring step copies K back to the kernels' head-dim-minor layout: this test only (make test-all)",
     "tests/kernels/test_kda_pallas.py::test_gate_and_l2norm_fused_in_kernel[pallas_varlen-None-64]":
         "the gate and L2 norm fused in a Pallas KDA kernel against the reference: the pallas_segment case (the "
         "tiles' prologue both kernels share); the softplus gate's prologue and its backward: "

@@ -82,6 +82,10 @@ def test_splash_ring_compiles_to_splash_kernels_and_permutes():
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x(K), x(K), x(V), x(V, jnp.float32), seg) \
             .compile().as_text()
     assert "collective-permute" in text and "all-gather" not in text and "all-to-all" not in text
+    # no step copies a K block back into the head-dim-minor layout (K 192 wide: lane-padded) that XLA:TPU keeps
+    # off the wire: splash reads K seq-minor and the steps are unrolled (docs/parallelism.md, the splash ring)
+    k_block = f"bf16[{B},{H},{T_tpu // 8},{K}]{{3,2,1,0:"
+    assert [line for line in text.splitlines() if f" = {k_block}" in line and " copy(" in line] == []
     ran, unknown = hlo.executed(text, branch_weights=measure.branch_weights(None))
     calls = [e for e in ran if e.op.opcode == "custom-call" and cost.kernel_name(e.op).startswith("splash_mha")]
     assert unknown == 0 and calls
@@ -96,3 +100,30 @@ def test_splash_ring_compiles_to_splash_kernels_and_permutes():
         prefix = next(p for p in expected if name.startswith(p))
         got[prefix] = got.get(prefix, 0.0) + e.times * cost.splash_cost(e.op, name)[0]
     assert got == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.slow   # two interpret-mode rings (30 s here); only experiments/plan/ops.py runs the peer
+def test_the_benchmarks_peer_formulation_computes_the_same():
+    """experiments/plan/ops.py's peer ring (a lax.scan over the steps, splash reading K head-dim minor) gives the
+    outputs and gradients of the ring the model runs (unrolled, K seq-minor), on 4 fake devices in fp32."""
+    from jax.sharding import Mesh
+
+    from lingpack.parallel import ring_splash
+    mesh = Mesh(jax.devices()[:N], ("context",))
+    x, row = P(None, None, "context", None), P(None, "context")
+    seg = cc.segments(ROWS, T)[:1]
+    q, k, v, w = (jnp.swapaxes(a[:1, :, :2], 1, 2) for a in cc.inputs(1, length=T))   # [1, 2 heads, T, *]
+
+    def grads(unroll):
+        ring = ring_splash.SplashRing("context", N, True, cc.SCALE, BLOCK, True, unroll=unroll, k_seq_minor=unroll)
+
+        def loss(q, k, v):
+            o = jax.shard_map(lambda *a: ring_splash.splash_ring_attention(*a, ring), mesh=mesh,
+                              in_specs=(x, x, x, row), out_specs=x, check_vma=False)(q, k, v, jnp.asarray(seg))
+            return jnp.sum(o * w), o
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    (_, o_ref), g_ref = grads(True)
+    (_, o), g = grads(False)
+    for got, ref in zip((o, *g), (o_ref, *g_ref)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))

@@ -43,16 +43,39 @@ class SplashRing(NamedTuple):
     block: int          # splash's tile; divides T_local / 2 (zigzag) or T_local
     interpret: bool
     residual_name: str | None = None   # the forward's (o, lse) named for a remat policy (blockwise.name_residuals)
+    # the formulation (docs/parallelism.md#ring-attention-in-splash): steps as a Python loop, not a lax.scan,
+    # and the kernels reading K seq-minor; the alternatives stay for experiments/plan/ops.py's comparison
+    unroll: bool = True
+    k_seq_minor: bool = True
 
     def perm(self) -> list[tuple[int, int]]:
         return [(c, (c + 1) % self.size) for c in range(self.size)]
 
     def tile(self, causal: bool):
-        return dict(causal=causal, block=self.block, interpret=self.interpret)
+        return dict(causal=causal, block=self.block, interpret=self.interpret, k_seq_minor=self.k_seq_minor)
 
 
 def _send(ring: SplashRing, arrays: tuple) -> tuple:
     return tuple(jax.lax.ppermute(x, ring.axis, ring.perm()) for x in arrays)
+
+
+def _steps(ring: SplashRing, body, carry, kv):
+    """carry through body(carry, kv_t, t) for t = 1 .. N-1, kv_t the block arriving at step t (kv: step 1's),
+    each next block's transfer issued before step t's compute. Unrolled, XLA:TPU neither copies the
+    travelling blocks per step nor keeps a step's transfer from overlapping the next steps' kernels."""
+    if ring.unroll:
+        for t in range(1, ring.size):
+            nxt = _send(ring, kv) if t < ring.size - 1 else None   # the last block goes no further
+            carry, kv = body(carry, kv, t), nxt
+        return carry
+
+    def step(c, t):
+        carry, kv = c
+        nxt = _send(ring, kv)
+        return (body(carry, kv, t), nxt), None
+
+    (carry, kv), _ = jax.lax.scan(step, (carry, kv), jnp.arange(1, ring.size - 1))
+    return body(carry, kv, ring.size - 1)
 
 
 def _forward_tile(ring, causal, q, k, v, q_seg, kv_seg):
@@ -99,13 +122,7 @@ def _ring_forward(q, k, v, seg, ring: SplashRing):
     if ring.size == 1:
         return state
 
-    def step(carry, t):
-        state, kv = carry
-        nxt = _send(ring, kv)             # the next block's transfer is issued before this block's compute
-        return (_visit(ring, q, seg, state, kv, t), nxt), None
-
-    (state, kv), _ = jax.lax.scan(step, (state, first), jnp.arange(1, ring.size - 1))
-    return _visit(ring, q, seg, state, kv, ring.size - 1)   # the last block needs no onward transfer
+    return _steps(ring, lambda state, kv, t: _visit(ring, q, seg, state, kv, t), state, first)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -161,17 +178,13 @@ def _ring_bwd(ring, res, do):
     if ring.size == 1:
         return finish(dq, dk, dv)
 
-    def step(carry, t):
-        dq, kv, dkv = carry
-        nxt = _send(ring, kv)             # issued before the compute, as in the forward
+    def body(carry, kv, t):
+        dq, dkv = carry
         dq, dk_t, dv_t = _step_grads(ring, q, seg, o, lse, do, dq, kv, t)   # fresh dK/dV: see ring.py
-        return (dq, nxt, _send(ring, (dkv[0] + dk_t, dkv[1] + dv_t))), None
+        return dq, _send(ring, (dkv[0] + dk_t, dkv[1] + dv_t))   # after step N-1 the hop brings them home
 
-    carry = (dq, first, _send(ring, (dk, dv)))
-    (dq, kv, dkv), _ = jax.lax.scan(step, carry, jnp.arange(1, ring.size - 1))
-    dq, dk_t, dv_t = _step_grads(ring, q, seg, o, lse, do, dq, kv, ring.size - 1)
-    dk, dv = _send(ring, (dkv[0] + dk_t, dkv[1] + dv_t))   # the N-th hop brings them home
-    return finish(dq, dk, dv)
+    dq, dkv = _steps(ring, body, (dq, _send(ring, (dk, dv))), first)
+    return finish(dq, *dkv)
 
 
 splash_ring_attention.defvjp(_ring_fwd, _ring_bwd)

@@ -107,8 +107,8 @@ def kernel_cost(line: str) -> tuple[float, float] | None:
 def splash_cost(op, name: str) -> tuple[float, float] | None:
     """(FLOPs, bytes) of one of JAX's splash kernels, which declare no CostEstimate: lingpack's analytic one
     (kernels/attention/splash.py) at the shapes its operands carry: block masks [1, T / block, S / block], then
-    q [H, T, K], k [H, S, K] and v [H, S, V]. Square (S == T) is causal, as the MLA and a ring's local step run
-    it; otherwise a ring step's full tile (parallel/ring_splash.py; a contiguous layout's square full steps
+    q [H, T, K], k [H, S, K] (seq-minor: [H, K, S]) and v [H, S, V]. Square (S == T) is causal, as the MLA and a
+    ring's local step run it; otherwise a ring step's full tile (parallel/ring_splash.py; a contiguous layout's square full steps
     are costed as causal, half their work)."""
     if not name.startswith("splash_mha"):
         return None
@@ -116,7 +116,7 @@ def splash_cost(op, name: str) -> tuple[float, float] | None:
     dims = [[int(d) for d in found.split(",")] for found in re.findall(r"\w+\[([\d,]+)\]", listed)[:5]]
     if len(dims) < 5 or any(len(d) != 3 for d in dims):
         return None
-    (_, blocks, _), _, (H, T, K), (_, S, _), (_, _, V) = dims
+    (_, blocks, _), _, (H, T, K), _, (_, S, V) = dims   # k: [H, S, K] or, seq-minor, [H, K, S]; S from v
     from lingpack.kernels.attention import splash
     estimates = splash.cost_estimates(1, H, T, K, V, block=T // blocks, causal=S == T, S=S)
     est = next((e for prefix, e in estimates.items() if name.startswith(prefix)), None)

@@ -33,40 +33,43 @@ TILE = shard.Dims(rows=0, heads=2)   # q, k [B, T, H, K]; v, o [B, T, H, V]
 
 @functools.lru_cache(maxsize=32)
 def _kernel(num_heads: int, seq_len: int, block: int, causal: bool, interpret: bool, kv_len: int | None = None,
-            residuals: bool = False, residual_name: str | None = None):
+            residuals: bool = False, residual_name: str | None = None, k_seq_minor: bool = False):
     """The kernel of a [seq_len, kv_len] mask (kv_len None: square); `residuals`: its forward also returns lse;
-    `residual_name`: the name its VJP's kept output and logsumexp carry (blockwise.name_residuals)."""
+    `residual_name`: the name its VJP's kept output and logsumexp carry (blockwise.name_residuals);
+    `k_seq_minor`: the kernels read k as [H, K, S] (the caller still passes [H, S, K]; XLA transposes)."""
     shape = (seq_len, kv_len or seq_len)
     base = splash_mask.CausalMask(shape) if causal else splash_mask.FullMask(shape)
     mask = splash_mask.MultiHeadMask([base] * num_heads)
     sizes = splash_kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
-                                     block_kv_dq=block)
+                                     block_kv_dq=block, k_layout=splash_kernel.QKVLayout.SEQ_MINOR if k_seq_minor
+                                     else splash_kernel.QKVLayout.HEAD_DIM_MINOR)
     with jax.ensure_compile_time_eval():  # mask metadata must be concrete: the kernel is cached across traces
         return splash_kernel.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
                                              save_residuals=residuals, interpret=interpret,
                                              residual_checkpoint_name=residual_name)
 
 
-def tile_forward(q_HQK, k_HSK, v_HSV, q_seg_Q, kv_seg_S, *, causal: bool, block: int, interpret: bool):
+def tile_forward(q_HQK, k_HSK, v_HSV, q_seg_Q, kv_seg_S, *, causal: bool, block: int, interpret: bool,
+                 k_seq_minor: bool = False):
     """(o [H,Q,V] in q's dtype, lse [H,Q] fp32) of one row's tile, q pre-scaled; causal only for Q == S.
 
     A query whose keys in the tile are all masked gets lse near the mask value (about -2.4e38) and the mean
     of v: combined with any real tile its weight exp(lse - lse_total) is exactly 0.
     """
     H, Q, _ = q_HQK.shape
-    kernel = _kernel(H, Q, block, causal, interpret, k_HSK.shape[1], True)
+    kernel = _kernel(H, Q, block, causal, interpret, k_HSK.shape[1], True, k_seq_minor=k_seq_minor)
     o, (lse,) = kernel(q_HQK, k_HSK, v_HSV, segment_ids=splash_kernel.SegmentIds(q=q_seg_Q, kv=kv_seg_S))
     return o, lse
 
 
 def tile_backward(q_HQK, k_HSK, v_HSV, q_seg_Q, kv_seg_S, o_HQV, lse_HQ, do_HQV, *, causal: bool, block: int,
-                  interpret: bool):
+                  interpret: bool, k_seq_minor: bool = False):
     """(dq, dk, dv) in the inputs' dtypes of one tile given the whole row's o and lse (not the tile's own):
     probabilities exp(s - lse) and the row term sum(do * o) are then the row's, so the tile's gradients are
     its exact share of the row's. Splash's own backward kernels (dq, dkv), called with those residuals."""
     H, Q, _ = q_HQK.shape
-    kernel = _kernel(H, Q, block, causal, interpret, k_HSK.shape[1], True)
+    kernel = _kernel(H, Q, block, causal, interpret, k_HSK.shape[1], True, k_seq_minor=k_seq_minor)
     kw = kernel.kwargs
     res = (q_HQK, k_HSK, v_HSV, splash_kernel.SegmentIds(q=q_seg_Q, kv=kv_seg_S), None, o_HQV, lse_HQ,
            kernel.dq_mask_info, kernel.dkv_mask_info)

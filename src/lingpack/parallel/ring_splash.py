@@ -14,8 +14,8 @@ context devices (stride 1), device r at step t holds the key block of device s =
 Both zigzag cases are T_local x T_local / 2 tiles with no mask but the segments'; `lax.cond` picks one.
 
 Forward: each step's normalised output and lse merge into the running (o, lse) in fp32. Backward: splash's
-dq and dkv kernels run on each step's tile with the ROW's o and lse as residuals, so each returns its exact
-share of the row's gradient; dq accumulates locally in fp32, dK / dV (fp32) travel with their K / V block
+dq and dkv kernels run on each step's tile with the ROW's lse and sum(o * do) as residuals, so each returns
+its exact share of the row's gradient; dq accumulates locally in fp32, dK / dV (fp32) travel with their K / V block
 and are home after N hops, as in ring.py. Padding queries (segment 0) attend padding keys in splash;
 context.py zeroes their outputs, so their cotangents are 0 and so are their gradients' contributions.
 """
@@ -137,29 +137,29 @@ def _ring_fwd(q, k, v, seg, ring):
     return o, (q, k, v, seg, o, lse)
 
 
-def _grads(ring, causal, q, k, v, q_seg, kv_seg, o, lse, do):
-    dq, dk, dv = jax.vmap(partial(splash.tile_backward, **ring.tile(causal)))(q, k, v, q_seg, kv_seg, o, lse, do)
+def _grads(ring, causal, q, k, v, q_seg, kv_seg, lse, do, di):
+    dq, dk, dv = jax.vmap(partial(splash.tile_backward, **ring.tile(causal)))(q, k, v, q_seg, kv_seg, lse, do, di)
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
-def _step_grads(ring, q, seg, o, lse, do, dq, kv, t):
+def _step_grads(ring, q, seg, lse, do, di, dq, kv, t):
     """(dq with step t's share added, the block's dK, dV shares) (t >= 1)."""
     k, v, kv_seg = kv
     h = q.shape[2] // 2
     zeros = lambda x, n: jnp.zeros(x.shape[:2] + (n,) + x.shape[3:], jnp.float32)
     if ring.zigzag:
         def early(dq):        # all queries x the block's first chunk: dK / dV of its second chunk are 0
-            dq_t, dk_t, dv_t = _grads(ring, False, q, k[:, :, :h], v[:, :, :h], seg, kv_seg[:, :h], o, lse, do)
+            dq_t, dk_t, dv_t = _grads(ring, False, q, k[:, :, :h], v[:, :, :h], seg, kv_seg[:, :h], lse, do, di)
             pad = lambda d, x: jnp.concatenate([d, zeros(x, h)], axis=2)
             return dq + dq_t, pad(dk_t, k), pad(dv_t, v)
 
         def late(dq):         # the second local chunk x the whole block
-            dq_t, dk_t, dv_t = _grads(ring, False, q[:, :, h:], k, v, seg[:, h:], kv_seg, o[:, :, h:],
-                                      lse[:, :, h:], do[:, :, h:])
+            dq_t, dk_t, dv_t = _grads(ring, False, q[:, :, h:], k, v, seg[:, h:], kv_seg, lse[:, :, h:],
+                                      do[:, :, h:], di[:, :, h:])
             return dq.at[:, :, h:].add(dq_t), dk_t, dv_t
     else:
         def early(dq):
-            dq_t, dk_t, dv_t = _grads(ring, False, q, k, v, seg, kv_seg, o, lse, do)
+            dq_t, dk_t, dv_t = _grads(ring, False, q, k, v, seg, kv_seg, lse, do, di)
             return dq + dq_t, dk_t, dv_t
 
         late = lambda dq: (dq, zeros(k, k.shape[2]), zeros(v, v.shape[2]))
@@ -169,10 +169,11 @@ def _step_grads(ring, q, seg, o, lse, do, dq, kv, t):
 
 def _ring_bwd(ring, res, do):
     q, k, v, seg, o, lse = res
-    do = do.astype(jnp.float32)
+    do = do.astype(q.dtype)   # splash's kernels take do in q's dtype; di = sum(o * do) once for every step
+    di = jnp.einsum("bhqv,bhqv->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
     kv = (k, v, seg)
     first = _send(ring, kv) if ring.size > 1 else None
-    dq, dk, dv = _grads(ring, True, q, k, v, seg, seg, o, lse, do)   # the local step
+    dq, dk, dv = _grads(ring, True, q, k, v, seg, seg, lse, do, di)   # the local step
     # q was pre-scaled: d/dq = scale x d/d(scale q)
     finish = lambda dq, dk, dv: ((dq * ring.scale).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None)
     if ring.size == 1:
@@ -180,7 +181,7 @@ def _ring_bwd(ring, res, do):
 
     def body(carry, kv, t):
         dq, dkv = carry
-        dq, dk_t, dv_t = _step_grads(ring, q, seg, o, lse, do, dq, kv, t)   # fresh dK/dV: see ring.py
+        dq, dk_t, dv_t = _step_grads(ring, q, seg, lse, do, di, dq, kv, t)   # fresh dK/dV: see ring.py
         return dq, _send(ring, (dkv[0] + dk_t, dkv[1] + dv_t))   # after step N-1 the hop brings them home
 
     dq, dkv = _steps(ring, body, (dq, _send(ring, (dk, dv))), first)

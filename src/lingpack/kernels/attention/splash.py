@@ -63,20 +63,25 @@ def tile_forward(q_HQK, k_HSK, v_HSV, q_seg_Q, kv_seg_S, *, causal: bool, block:
     return o, lse
 
 
-def tile_backward(q_HQK, k_HSK, v_HSV, q_seg_Q, kv_seg_S, o_HQV, lse_HQ, do_HQV, *, causal: bool, block: int,
+def tile_backward(q_HQK, k_HSK, v_HSV, q_seg_Q, kv_seg_S, lse_HQ, do_HQV, di_HQ, *, causal: bool, block: int,
                   interpret: bool, k_seq_minor: bool = False):
-    """(dq, dk, dv) in the inputs' dtypes of one tile given the whole row's o and lse (not the tile's own):
-    probabilities exp(s - lse) and the row term sum(do * o) are then the row's, so the tile's gradients are
-    its exact share of the row's. Splash's own backward kernels (dq, dkv), called with those residuals."""
+    """(dq, dk, dv) in the inputs' dtypes of one tile given the whole row's lse and di = sum(o * do) (not the
+    tile's own; do in q's dtype): probabilities exp(s - lse) and the row term di are then the row's, so the
+    tile's gradients are its exact share of the row's. Splash's own backward kernels (dkv, dq), called with
+    those residuals; di comes in so that a ring forms it once per row, not once per step."""
     H, Q, _ = q_HQK.shape
     kernel = _kernel(H, Q, block, causal, interpret, k_HSK.shape[1], True, k_seq_minor=k_seq_minor)
-    kw = kernel.kwargs
-    res = (q_HQK, k_HSK, v_HSV, splash_kernel.SegmentIds(q=q_seg_Q, kv=kv_seg_S), None, o_HQV, lse_HQ,
-           kernel.dq_mask_info, kernel.dkv_mask_info)
-    grads = splash_kernel._splash_attention_bwd(False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None,
-                                                kw["mask_function"], kw["attn_logits_soft_cap"], kw["interpret"],
-                                                res, do_HQV.astype(q_HQK.dtype))
-    return grads[3:6]
+    kw, sizes = kernel.kwargs, kernel.kwargs["block_sizes"]
+    common = dict(is_mqa=kw["is_mqa"], mask_value=kw["mask_value"], attn_logits_soft_cap=kw["attn_logits_soft_cap"],
+                  q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
+                  mask_function=kw["mask_function"], interpret=kw["interpret"])
+    args = (q_HQK, k_HSK, v_HSV, splash_kernel.SegmentIds(q=q_seg_Q, kv=kv_seg_S), None, lse_HQ, do_HQV, di_HQ)
+    _, dk, dv = splash_kernel._splash_attention_bwd_dkv(
+        *args, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv, bkv_compute=sizes.block_kv_dkv_compute,
+        mask_info=kernel.dkv_mask_info, use_fused_bwd_kernel=False, **common)
+    dq = splash_kernel._splash_attention_bwd_dq(*args, bq=sizes.block_q_dq, bkv=sizes.block_kv_dq,
+                                                mask_info=kernel.dq_mask_info, **common)
+    return dq, dk, dv
 
 
 def computed_tiles(seq_len: int, block: int, causal: bool, kv_len: int | None = None) -> int:

@@ -7,9 +7,9 @@
 Each case is a jitted function of the flagship's shapes (N = 8,192 tokens a device, top-k = 8, D = 1,536,
 the sorted places of one dispatch P = 67,456; the receive buffer's 84,480 rows, F = 512; a KDA short convolution
 over T = 8,192 tokens of C = 2,048 channels, kernel 4; one MLA layer's splash ring over T = 131,072 tokens,
-16 heads, q/k head dim 192, v 128) compiled by libtpu
-for one v5p chip (`v5p:2x2x1`, megacore; the ring for 8, `v5p:2x2x2`) and costed by `lingpack.plan.cost` as the planner costs the whole
-step: per instruction, XLA:TPU's own cycle estimate, or the roofline of its FLOPs and bytes where it has none.
+16 heads, q/k head dim 192, v 128) compiled by libtpu for one v5p chip (`v5p:2x2x1`, megacore; the ring for
+8, `v5p:2x2x2`) and costed by `lingpack.plan.cost` as the planner costs the whole step: per instruction,
+XLA:TPU's own cycle estimate, or the roofline of its FLOPs and bytes where it has none.
 "Peer" is the formulation the model had (or the one it keeps); "lingpack" is what `models/moe.py`,
 `models/layers.py` and `parallel/ring_splash.py` run.
 Nothing runs: these are compile-time estimates, on the same footing as the planner's step.
